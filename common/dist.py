@@ -1,0 +1,70 @@
+"""Distributed setup in a few visible lines: device, backend, timeout, print0, fault injection."""
+import datetime
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(choice, local_rank, local_world_size):
+    """auto: one GPU per local rank when there are enough, else CPU. cuda without enough GPUs is an error."""
+    gpus = torch.cuda.device_count()
+    if choice == "cuda" and gpus < local_world_size:
+        raise ValueError(f"--device cuda needs {local_world_size} GPUs on this node, found {gpus}")
+    if choice == "cpu" or (choice == "auto" and gpus < local_world_size):
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup(device_choice="auto", timeout_s=300):
+    """init_process_group for torchrun, or for a plain `python script.py` (world size 1).
+
+    Returns (rank, local_rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
+    """
+    if "RANK" not in os.environ:  # launched without torchrun: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device = pick_device(device_choice, local_rank, local_world_size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    if device_choice == "auto" and device.type == "cpu" and rank == 0:
+        print(f"device: cpu with gloo ({torch.cuda.device_count()} GPUs for {local_world_size} local ranks)", flush=True)
+    return rank, local_rank, world_size, device
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)
+
+
+def first_attempt():
+    """True in torchrun's first attempt: injected faults fire only there, so the restarted job runs clean."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def restarts():
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def crash(reason):
+    """Die abruptly, as a lost process would: no finally blocks, no atexit, no flushing by Python."""
+    print(f"injected crash: {reason}", file=sys.stderr, flush=True)
+    os._exit(17)

@@ -1,0 +1,76 @@
+"""Per-rank metrics as JSON lines: steps (loss, lr, time, tokens/s, memory, communication) and
+events (save, load, resume, restart, fallback, reshard), in <run-dir>/metrics-rank<r>.jsonl.
+"""
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def local_bytes(t):
+    """Bytes this rank holds for a tensor: the local shard of a DTensor, else the tensor."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model, optimizer):
+    """Exact bytes of model state on this rank: parameters, gradients and optimizer state (local shards only)."""
+    params = {id(p): p for p in model.parameters()}.values()
+    n = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in params)
+    for state in optimizer.state.values():
+        n += sum(local_bytes(v) for v in state.values() if torch.is_tensor(v))
+    return n
+
+
+def memory(device):
+    """Peak memory: the CUDA allocator's peak on GPU; on CPU the process RSS peak."""
+    if device.type == "cuda":
+        return {"cuda_peak_bytes": torch.cuda.max_memory_allocated(device)}
+    return {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class Monitor:
+    def __init__(self, run_dir, rank, device, log_every=10):
+        self.rank, self.device, self.log_every = rank, device, log_every
+        self.file = open(Path(run_dir) / f"metrics-rank{rank}.jsonl", "a")
+
+    def event(self, kind, **fields):
+        self.file.write(json.dumps({"event": kind, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+        self.file.flush()
+
+    def step(self, step, loss, lr, dt, tokens, model_state_bytes, **extra):
+        mem = memory(self.device)
+        self.event("step", step=step, loss=loss, lr=lr, step_s=dt, tokens_per_s=tokens / dt,
+                   state_bytes=model_state_bytes, **mem, **extra)
+        if self.rank == 0 and (step % self.log_every == 0 or step == 1):
+            peak = next(iter(mem.values()))
+            print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | dt {dt * 1000:6.1f} ms"
+                  f" | tok/s {tokens / dt:8.0f} | mem {peak / 2**20:.0f} MiB", flush=True)
+
+    def close(self):
+        self.file.close()
+
+
+class CommTimer:
+    """A DDP comm hook that all-reduces like the default hook and measures each bucket's all-reduce,
+    from launch to completion. `pop()` returns the seconds spent in all-reduce since the last call."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def hook(self, state, bucket):
+        start = time.perf_counter()
+        tensor = bucket.buffer().div_(dist.get_world_size())
+
+        def done(fut):
+            self.seconds += time.perf_counter() - start
+            return fut.value()[0]
+
+        return dist.all_reduce(tensor, async_op=True).get_future().then(done)
+
+    def pop(self):
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

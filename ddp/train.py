@@ -1,0 +1,211 @@
+"""DistributedDataParallel training that survives crashes: an atomic rank-0 checkpoint and auto-resume.
+
+    bash run.sh ddp 4                                  # torchrun, 4 ranks, restarts on failure
+    bash run.sh ddp 2 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
+    torchrun --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint localhost:0 ddp/train.py
+    python ddp/train.py                                # one process, no torchrun
+
+Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
+optimizer, LR schedule, step, config and every rank's RNG state into one file, atomically;
+every rank resumes from the newest file that loads. Data is indexed by step, so a crashed and
+restarted job ends with exactly the weights of one that never crashed.
+"""
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, param_digest, prune,
+                               rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.config import common_problems, fail, parse_config
+from common.data import StepData
+from common.dist import crash, first_attempt, print0, restarts, setup, teardown
+from common.model import Transformer, model_config, num_params
+from common.monitor import CommTimer, Monitor, state_bytes
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class Config:
+    """DDP training with an atomic rank-0 checkpoint and auto-resume."""
+    steps: int = 200  # total optimizer steps of the job (a resumed job runs up to this)
+    run_dir: str = "runs/ddp"  # holds ckpt/, metrics-rank<r>.jsonl and summary.json
+    save_every: int = 50  # save a checkpoint every N steps, and at the last step
+    keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
+    seed: int = 0  # seeds the weights, the data and each rank's RNG
+    device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
+    vocab: int = 64  # vocabulary size (256 with --data)
+    seq_len: int = 32  # tokens per sequence
+    dim: int = 64  # model width
+    layers: int = 2  # Transformer blocks
+    heads: int = 4  # attention heads; must divide dim
+    dropout: float = 0.0  # dropout; its randomness is in the saved RNG state, so resume stays exact
+    tie_head: bool = False  # share the output head with the token embedding
+    batch_size: int = 24  # global batch: sequences per optimizer step, split evenly across ranks
+    data: str = ""  # a text file to train on as bytes (vocab 256) instead of the synthetic task
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
+    warmup: int = 20  # steps of linear warmup
+    weight_decay: float = 0.1  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    log_every: int = 10  # print a log line every N steps
+    timeout_s: int = 300  # collective timeout: a hung peer fails the job instead of stalling it
+    crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
+    crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
+    crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
+
+
+def check(cfg):
+    problems = common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    for _, path in checkpoints(Path(cfg.run_dir) / "ckpt"):  # the newest readable one must fit this model
+        try:
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]
+        except Exception:
+            continue  # unreadable: the resume below falls back past it
+        if shape_mismatch(saved, cfg):
+            problems.append(f"{path}: {shape_mismatch(saved, cfg)}; use another --run-dir")
+        break
+    return problems
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def main(cfg):
+    # ------------------------------------------------------------------------- setup
+    rank, local_rank, world, device = setup(cfg.device, cfg.timeout_s)
+    try:
+        run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+        print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
+        monitor = Monitor(run_dir, rank, device, cfg.log_every)
+        crash_rank = cfg.crash_rank % world
+
+        # --------------------------------------------------------------------- data
+        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+
+        # --------------------------------------------------------------------- model and optimizer
+        model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
+        print0(f"model: {num_params(model):,} parameters")
+
+        # --------------------------------------------------------------------- resume
+        # Rank 0 picks the newest checkpoint that loads (falling back past torn ones) and every rank
+        # loads that same file, so no rank can resume from another step than the others.
+        step, resumed_from, state = 0, None, None
+        chosen = [None]
+        if rank == 0:
+            _, chosen[0], state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+        dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is not None:
+            t0 = time.perf_counter()
+            if state is None:
+                state = torch.load(chosen[0], map_location="cpu", weights_only=True)
+            if shape_mismatch(state["config"], cfg):
+                fail(f"{chosen[0]}: {shape_mismatch(state['config'], cfg)}; use another --run-dir")
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step = resumed_from = state["step"]
+            if state["world_size"] == world:
+                set_rng_state(state["rng"][rank])
+            else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
+                seed_rng(cfg.seed + step, rank)
+                print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
+            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]))
+            print0(f"resuming from step {step}")
+            del state
+        else:
+            seed_rng(cfg.seed, rank)
+            print0("no checkpoint, starting fresh")
+        monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        comm = CommTimer()
+        ddp_model.register_comm_hook(None, comm.hook)
+
+        # --------------------------------------------------------------------- training loop
+        loss_sum, step_times = torch.zeros((), device=device), []
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
+            loss = ddp_model(inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum.copy_(loss.detach())
+            dist.all_reduce(loss_sum)  # the logged loss is the mean over all ranks
+            mean_loss = loss_sum.item() / world
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop())
+
+            if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
+                crash(f"rank {rank} after step {step}")
+
+            # ----------------------------------------------------------------- checkpoint
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                t0 = time.perf_counter()
+                rngs = [None] * world
+                dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
+                nbytes = 0
+                if rank == 0:
+                    path = ckpt_dir / step_name(step, ".pt")
+                    die_mid_save = None
+                    if cfg.crash_in_save == step and first_attempt():
+                        die_mid_save = lambda: crash(f"rank 0 while saving step {step}")  # noqa: E731
+                    nbytes = atomic_save({
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "step": step, "world_size": world,
+                        "rng": rngs, "config": dataclasses.asdict(cfg),
+                    }, path, before_commit=die_mid_save)
+                    prune(ckpt_dir, cfg.keep)
+                dist.barrier()  # no rank runs ahead of an unfinished save
+                save_s = time.perf_counter() - t0
+                monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
+                print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+
+        # --------------------------------------------------------------------- teardown
+        if rank == 0:
+            full_state = model.state_dict()
+            summary = {
+                "strategy": "ddp", "world_size": world, "steps": step, "final_loss": mean_loss if step_times else None,
+                "param_digest": param_digest(full_state), "resumed_from_step": resumed_from, "restarts": restarts(),
+                "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
+                "median_step_s": statistics.median(step_times) if step_times else None,
+                "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
+            }
+            atomic_write_json(summary, run_dir / "summary.json")
+            print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
+        monitor.close()
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, check))
