@@ -140,7 +140,13 @@ def main(cfg):
             print0("no checkpoint, starting fresh")
         monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # DDP regroups its all-reduce buckets after the first step, in the order gradients became ready.
+        # A resumed job would run its first step on the initial buckets, and with more than 2 ranks the
+        # sums then add up in another order (seen here: other weights at 4 ranks). With
+        # find_unused_parameters the initial buckets stay for good, at the cost of one graph traversal
+        # per step (and a one-time warning that no parameter was unused).
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        find_unused_parameters=True)
         comm = CommTimer()
         ddp_model.register_comm_hook(None, comm.hook)
 
