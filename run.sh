@@ -3,13 +3,15 @@
 #
 #   bash run.sh ddp|fsdp|rpc NPROC [script flags]   train under torchrun, restarting failed workers
 #   bash run.sh test [pytest args]                  the test suite (CPU, gloo, real torchrun)
+#   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
 #
 # Multi-node: NNODES, NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID; MAX_RESTARTS.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 usage() {
-  echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" >&2
+  echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" \
+       " |  bash run.sh compare NPROC [flags]" >&2
   exit 2
 }
 
@@ -32,6 +34,7 @@ case "$mode" in
   fsdp) script=fsdp/train.py ;;
   rpc) script=rpc/ps.py ;;
   test) python_with_requirements; exec "$PY" -m pytest tests "$@" ;;
+  compare) python_with_requirements; exec "$PY" -m common.compare "$@" ;;
   *) usage ;;
 esac
 

@@ -19,7 +19,7 @@ import tempfile
 import typing
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):
         # One clear line and exit 2, never a usage dump or a traceback.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -40,7 +40,7 @@ def _field_type(tp):
 def make_parser(cls, prog=None):
     helps = _field_help(cls)
     hints = typing.get_type_hints(cls)
-    p = _Parser(prog=prog, description=(cls.__doc__ or "").strip(),
+    p = Parser(prog=prog, description=(cls.__doc__ or "").strip(),
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")

@@ -1,0 +1,302 @@
+"""Measured comparison of DDP, FSDP, FSDP with async save and the parameter server.
+
+    bash run.sh compare 4                  # about 8 minutes on a 2-core CPU machine
+    bash run.sh compare 4 --quick          # the main table only, on the medium model, fewer steps
+    bash run.sh compare 4 --format json    # also: markdown, csv; the JSON always lands in results.json
+
+Each strategy runs through the real torchrun with the same model, seed, data, steps and world size,
+once uninterrupted and once with a crash that torchrun recovers. Every figure is read from what the
+scripts wrote (metrics-rank<r>.jsonl, summary.json, the checkpoint folder); none is estimated. The
+theoretical model-state figure is printed next to the measured one, labelled as such.
+"""
+import csv
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.checkpoint import checkpoints  # noqa: E402
+from common.config import Parser  # noqa: E402
+from common.dist import free_port  # noqa: E402
+
+STRATEGIES = {  # column -> (script, extra flags)
+    "ddp": ("ddp/train.py", []),
+    "fsdp": ("fsdp/train.py", []),
+    "fsdp --async-save": ("fsdp/train.py", ["--async-save"]),
+    "rpc": ("rpc/ps.py", []),
+}
+SIZES = {  # model flags; tiny -> medium spans about 16x in parameters
+    "tiny": ["--dim", "64", "--layers", "2", "--heads", "4"],
+    "small": ["--dim", "128", "--layers", "3", "--heads", "4"],
+    "medium": ["--dim", "192", "--layers", "4", "--heads", "6"],
+}
+
+
+def torchrun_cmd(script, nproc, run_dir, flags, max_restarts=3):
+    """The launch run.sh does, with a free rendezvous port of its own."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
+            str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
+
+
+def events(run_dir):
+    rows = []
+    for path in sorted(Path(run_dir).glob("metrics-rank*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_job(name, script, nproc, run_dir, flags, log):
+    """Launch one job; returns what it wrote, plus the launch time."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    start = time.time()
+    proc = subprocess.run(torchrun_cmd(script, nproc, run_dir, flags), cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    log(f"  {name}: exit {proc.returncode} in {time.time() - start:.0f} s")
+    if proc.returncode != 0:
+        raise SystemExit(f"compare: {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"launched": start, "summary": json.loads((Path(run_dir) / "summary.json").read_text()),
+            "events": events(run_dir), "run_dir": Path(run_dir)}
+
+
+def disk_reference(folder, nbytes):
+    """A plain fsync'd sequential write of nbytes in folder: what the disk does, in bytes/s."""
+    path, block = Path(folder) / "disk-reference.bin", bytes(1 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return max(1, nbytes // len(block)) * len(block) / seconds
+
+
+def checkpoint_facts(job):
+    """Size and file count of the newest committed checkpoint, and save/load timings."""
+    _, newest = checkpoints(job["run_dir"] / "ckpt")[0]
+    files = [newest] if newest.is_file() else [p for p in newest.rglob("*") if p.is_file()]
+    saves = [e for e in job["events"] if e["event"] == "save" and e["rank"] == 0]
+    size = sum(p.stat().st_size for p in files)
+    total = median(e["total_s"] for e in saves)
+    return {"ckpt_bytes": size, "ckpt_files": len(files), "save_blocking_s": median(e["blocking_s"] for e in saves),
+            "save_total_s": total, "write_bytes_per_s": size / total if total else None}
+
+
+def measure(clean, crashed, crash_step, world, strategy):
+    steps = [e for e in clean["events"] if e["event"] == "step"]
+    params = clean["summary"]["params"]
+    last = {}
+    for e in steps:
+        last[e["rank"]] = e
+    sharded = strategy.startswith("fsdp")
+    row = {
+        "world_size": world,
+        "roles": f"1 server + {world - 1} trainers" if strategy == "rpc" else f"{world} data-parallel ranks",
+        "params": params,
+        "state_bytes_per_rank": max(e["state_bytes"] for e in last.values()),
+        "state_bytes_theory": 16 * params // (world if sharded else 1),
+        "peak_mem_bytes": max(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") for e in last.values()),
+        "median_step_s": median(e["step_s"] for e in steps if e["rank"] == 0),
+        "tokens_per_s": median(e["tokens_per_s"] for e in steps if e["rank"] == 0),
+        "comm_s_per_step": median(e.get("comm_s") for e in steps if e["rank"] == 0),
+        **checkpoint_facts(clean),
+        "final_loss": clean["summary"]["final_loss"],
+    }
+    # Recovery: from the crashed rank's last completed step to the first step after the restart.
+    ev = crashed["events"]
+    restarted = min(e["time"] for e in ev if e["event"] == "start" and e["restarts"] > 0)
+    crash_time = max(e["time"] for e in ev if e["event"] == "step" and e["step"] == crash_step and e["time"] < restarted)
+    first_after = min(e["time"] for e in ev if e["event"] == "step" and e["time"] > restarted)
+    cold = min(e["time"] for e in steps) - clean["launched"]
+    loads = [e["load_s"] for e in ev if e["event"] == "load" and e["rank"] == 0]
+    resumed = crashed["summary"]["resumed_from_step"]
+    row.update({
+        "load_s": loads[-1] if loads else None,
+        "recovery_s": first_after - crash_time,
+        "cold_start_s": cold,
+        "recovery_vs_cold_start": (first_after - crash_time) / cold,
+        "steps_replayed": crash_step - resumed if resumed is not None else None,
+        "resumed_digest_equal": crashed["summary"]["param_digest"] == clean["summary"]["param_digest"],
+    })
+    return row
+
+
+def main(argv=None):
+    p = Parser(prog="bash run.sh compare", description=__doc__.split("\n")[0])
+    p.add_argument("nproc", type=int, help="processes (ranks) per job")
+    p.add_argument("--quick", action="store_true", help="main table only, medium model, fewer steps")
+    p.add_argument("--sizes", default="tiny,small,medium", help="model sizes of the growth table")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="columns, from: " + ", ".join(STRATEGIES))
+    p.add_argument("--steps", type=int, default=None, help="steps per job (default 30, quick 12)")
+    p.add_argument("--format", choices=["table", "markdown", "json", "csv"], default="table")
+    p.add_argument("--out", default="runs/compare", help="folder for the jobs and results.json")
+    p.add_argument("--plot", default=None, help="write PNG figures into this folder (needs matplotlib)")
+    args = p.parse_args(argv)
+    strategies = args.strategies.split(",")
+    unknown = [s for s in strategies + args.sizes.split(",") if s not in STRATEGIES and s not in SIZES]
+    if args.nproc < 2 or unknown:
+        p.error(f"unknown strategy or size: {', '.join(unknown)}" if unknown else "needs at least 2 processes")
+    steps = args.steps or (12 if args.quick else 30)
+    save_every, crash_step = steps // 3, steps // 3 + steps // 6 + 1  # the crash replays a few steps
+    main_size = "medium" if args.quick else "tiny"
+    split = math.lcm(args.nproc, args.nproc - 1)  # the global batch splits over all ranks and over rpc's trainers
+    batch = split * max(1, round(24 / split))
+    sizes = [] if args.quick else [s for s in args.sizes.split(",") if s != main_size]
+    out = Path(args.out).resolve()
+    started = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    def job(strategy, size, crash):
+        script, extra = STRATEGIES[strategy]
+        name = f"{strategy} {size}{' crash' if crash else ''}"
+        run_dir = out / f"{strategy.replace(' --', '-')}-{size}{'-crash' if crash else ''}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch,
+                 "--seq-len", 32, "--log-every", 1000, *SIZES[size], *extra]
+        flags += ["--crash-at-step", crash_step] if crash else []
+        log(f"running {name} ...")
+        return run_job(name, script, args.nproc, run_dir, flags, log)
+
+    results = {"main": {}, "growth": {}}
+    for strategy in strategies:
+        clean, crashed = job(strategy, main_size, False), job(strategy, main_size, True)
+        results["main"][strategy] = measure(clean, crashed, crash_step, args.nproc, strategy)
+        results["growth"].setdefault(main_size, {})[strategy] = results["main"][strategy]
+    for size in sizes:
+        for strategy in strategies:
+            clean, crashed = job(strategy, size, False), job(strategy, size, True)
+            results["growth"][size][strategy] = measure(clean, crashed, crash_step, args.nproc, strategy)
+    biggest = max(r["ckpt_bytes"] for r in results["main"].values())
+    results["disk_reference_bytes_per_s"] = disk_reference(out, biggest)
+    for row in results["main"].values():
+        row["write_vs_disk"] = row["write_bytes_per_s"] / results["disk_reference_bytes_per_s"]
+    import torch
+    results["meta"] = {
+        "command": "bash run.sh compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "world_size": args.nproc, "steps": steps, "save_every": save_every, "crash_at_step": crash_step,
+        "main_size": main_size, "sizes": {s: SIZES[s] for s in results["growth"]}, "elapsed_s": time.time() - started,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    log(f"wrote {out / 'results.json'}")
+    print(render(results, args.format))
+    if args.plot:
+        plot(results, out, Path(args.plot), log)
+    if not all(r["resumed_digest_equal"] for size in results["growth"].values() for r in size.values()):
+        log("a crashed-and-resumed run did NOT end with the uninterrupted run's digest")
+        return 1
+    return 0
+
+
+MAIN_ROWS = [  # (label, key, format)
+    ("world size", "world_size", "{}"), ("roles", "roles", "{}"), ("parameters", "params", "{:,}"),
+    ("model state / rank (measured)", "state_bytes_per_rank", "mib"),
+    ("model state / rank (theory: 16 B/param, / ranks if sharded)", "state_bytes_theory", "mib"),
+    ("peak memory / rank (RSS or CUDA)", "peak_mem_bytes", "mib"),
+    ("median step time", "median_step_s", "ms"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("all-reduce time / step", "comm_s_per_step", "ms"),
+    ("checkpoint size on disk", "ckpt_bytes", "mib"), ("checkpoint files", "ckpt_files", "{}"),
+    ("save: blocking (loop waits)", "save_blocking_s", "ms"), ("save: total", "save_total_s", "ms"),
+    ("save: write throughput", "write_bytes_per_s", "mibs"), ("save: throughput / plain fsync'd write", "write_vs_disk", "{:.2f}"),
+    ("load on resume", "load_s", "ms"), ("recovery: crash to first step after restart", "recovery_s", "s"),
+    ("recovery / cold start", "recovery_vs_cold_start", "{:.2f}"), ("steps replayed", "steps_replayed", "{}"),
+    ("resumed digest == uninterrupted", "resumed_digest_equal", "yesno"), ("final loss", "final_loss", "{:.4f}"),
+]
+GROWTH_ROWS = ["params", "ckpt_bytes", "save_blocking_s", "save_total_s", "load_s", "state_bytes_per_rank"]
+
+
+def fmt(value, how):
+    if value is None:
+        return "n/a"
+    units = {"mib": lambda v: f"{v / 2**20:.2f} MiB", "ms": lambda v: f"{v * 1000:.1f} ms",
+             "s": lambda v: f"{v:.1f} s", "mibs": lambda v: f"{v / 2**20:.0f} MiB/s",
+             "yesno": lambda v: "yes" if v else "NO"}
+    return units[how](value) if how in units else how.format(value)
+
+
+def render(results, form):
+    if form == "json":
+        return json.dumps(results, indent=2)
+    cols = list(results["main"])
+    main = [[label] + [fmt(results["main"][c].get(key), how) for c in cols] for label, key, how in MAIN_ROWS]
+    hows = {key: how for _, key, how in MAIN_ROWS}
+    growth = [[size, key] + [fmt(results["growth"][size][c].get(key), hows[key]) for c in cols]
+              for size in results["growth"] for key in GROWTH_ROWS]
+    if form == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["table", "measure"] + cols)
+        w.writerows([["main"] + r for r in main] + [["growth", f"{r[0]} {r[1]}"] + r[2:] for r in growth])
+        return buf.getvalue()
+    style = "github" if form == "markdown" else "simple"
+    meta = results["meta"]
+    head = (f"{meta['world_size']} ranks, {meta['device']}, torch {meta['torch']}, {meta['steps']} steps, "
+            f"save every {meta['save_every']}, crash after step {meta['crash_at_step']}, model {meta['main_size']}; "
+            f"plain fsync'd write: {results['disk_reference_bytes_per_s'] / 2**20:.0f} MiB/s")
+    text = head + "\n\n" + tabulate(main, headers=["measure"] + cols, tablefmt=style)
+    if len(results["growth"]) > 1:
+        text += "\n\n" + tabulate(growth, headers=["size", "measure"] + cols, tablefmt=style)
+    return text
+
+
+def plot(results, out, folder, log):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("--plot needs matplotlib (pip install matplotlib); no figures written")
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    size = results["meta"]["main_size"]
+    fig, axes = plt.subplots(1, len(results["main"]), figsize=(4 * len(results["main"]), 3), squeeze=False)
+    for ax, strategy in zip(axes[0], results["main"]):
+        for suffix, label in (("", "uninterrupted"), ("-crash", "crashed and resumed")):
+            ev = events(out / f"{strategy.replace(' --', '-')}-{size}{suffix}")
+            pts = sorted((e["time"], e["step"], e["loss"]) for e in ev if e["event"] == "step" and e["rank"] == 0)
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], "." if suffix else "-", label=label)
+        ax.axvline(results["meta"]["crash_at_step"], color="red", lw=0.8, label="crash")
+        replayed = results["main"][strategy]["steps_replayed"] or 0
+        ax.axvline(results["meta"]["crash_at_step"] - replayed, color="green", lw=0.8, label="resumed from")
+        ax.set(title=strategy, xlabel="step", ylabel="loss")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for strategy in results["main"]:
+        sizes = list(results["growth"])
+        params = [results["growth"][s][strategy]["params"] for s in sizes]
+        axes[0].plot(params, [results["growth"][s][strategy]["save_total_s"] for s in sizes], "o-", label=strategy)
+        axes[1].plot(params, [results["growth"][s][strategy]["state_bytes_per_rank"] / 2**20 for s in sizes],
+                     "o-", label=strategy)
+    axes[0].set(xscale="log", xlabel="parameters", ylabel="total save time (s)")
+    axes[1].set(xscale="log", xlabel="parameters", ylabel="model state per rank (MiB)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "growth.png")
+    log(f"wrote {folder / 'loss.png'} and {folder / 'growth.png'}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
