@@ -4,6 +4,7 @@
 #   bash run.sh ddp|fsdp|rpc NPROC [script flags]   train under torchrun, restarting failed workers
 #   bash run.sh test [pytest args]                  the test suite (CPU, gloo, real torchrun)
 #   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
+#   bash run.sh chaos [--trials N] [--seed S]        random faults, each job checked against its reference
 #
 # Multi-node: NNODES, NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID; MAX_RESTARTS.
 set -euo pipefail
@@ -11,7 +12,7 @@ cd "$(dirname "$0")"
 
 usage() {
   echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" \
-       " |  bash run.sh compare NPROC [flags]" >&2
+       " |  bash run.sh compare NPROC [flags]  |  bash run.sh chaos [flags]" >&2
   exit 2
 }
 
@@ -35,6 +36,7 @@ case "$mode" in
   rpc) script=rpc/ps.py ;;
   test) python_with_requirements; exec "$PY" -m pytest tests "$@" ;;
   compare) python_with_requirements; exec "$PY" -m common.compare "$@" ;;
+  chaos) python_with_requirements; exec "$PY" -m common.chaos "$@" ;;
   *) usage ;;
 esac
 
