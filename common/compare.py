@@ -111,7 +111,7 @@ def measure(clean, crashed, crash_step, world, strategy):
         "world_size": world,
         "roles": f"1 server + {world - 1} trainers" if strategy == "rpc" else f"{world} data-parallel ranks",
         "params": params,
-        "state_bytes_per_rank": max(e["state_bytes"] for e in last.values()),
+        "state_bytes_per_rank": max(e.get("state_bytes") or 0 for e in last.values()),
         "state_bytes_theory": 16 * params // (world if sharded else 1),
         "peak_mem_bytes": max(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") for e in last.values()),
         "median_step_s": median(e["step_s"] for e in steps if e["rank"] == 0),
