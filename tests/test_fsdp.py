@@ -1,0 +1,121 @@
+"""fsdp/train.py end to end: real torchrun, gloo on CPU. Each test runs the real job and reads what it wrote."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, metrics, summary, torchrun
+from common.checkpoint import checkpoints, param_digest
+from common.model import ModelConfig, Transformer
+
+SCRIPT = "fsdp/train.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank job (16 steps, a checkpoint every 4) that the other runs are compared with."""
+    run_dir = tmp_path_factory.mktemp("fsdp-reference")
+    torchrun(SCRIPT, 2, run_dir, *SMALL)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """A 4-rank job stopped at step 8 (SMALL's global batch of 12 splits over 4, 3 and 2 ranks)."""
+    run_dir = tmp_path_factory.mktemp("fsdp-4-ranks")
+    torchrun(SCRIPT, 4, run_dir, *SMALL, "--steps", "8")
+    return run_dir
+
+
+def copy_run(src, dst):
+    shutil.copytree(src, dst)
+    (Path(dst) / "summary.json").unlink()
+    return dst
+
+
+def test_crash_at_step_resumes_bitwise(tmp_path, reference):
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", "10")
+    assert "injected crash: rank 1 after step 10" in proc.stderr
+    assert "resuming from step 8" in proc.stdout
+    s = summary(tmp_path)
+    assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (1, 8, 16)
+    assert s["param_digest"] == summary(reference)["param_digest"]
+
+
+def test_crash_in_save_leaves_a_torn_folder_that_is_ignored_and_removed(tmp_path, reference):
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-in-save", "8")
+    assert "step-00000008: shards written, not committed" in proc.stderr
+    assert "resuming from step 4" in proc.stdout  # not from the torn step 8
+    assert "removed step-00000008 (never committed)" in proc.stdout
+    assert summary(tmp_path)["param_digest"] == summary(reference)["param_digest"]
+    assert [s for s, _ in checkpoints(tmp_path / "ckpt")] == [16, 12, 8]  # step 8 saved again, in a fresh folder
+    assert checkpoints(tmp_path / "ckpt", committed=False) == []
+
+
+def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, reference):
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--async-save", "--crash-in-save", "8")
+    assert "step-00000008: shards written, not committed" in proc.stderr
+    assert "resuming from step 4" in proc.stdout
+    s = summary(tmp_path)
+    assert s["async_save"] and s["restarts"] == 1
+    assert s["param_digest"] == summary(reference)["param_digest"]
+    saves = metrics(tmp_path, 0, "save")
+    assert {e["step"] for e in saves} == {4, 8, 12, 16}
+    assert all(0 < e["blocking_s"] <= e["total_s"] and e["bytes"] > 0 for e in saves)
+
+
+def test_reshard_4_to_2_and_3_ranks_then_continue(tmp_path, four_ranks, reference):
+    digest_at_8 = summary(four_ranks)["param_digest"]
+    for world in (2, 3):
+        run_dir = copy_run(four_ranks, tmp_path / f"at-{world}")
+        proc = torchrun(SCRIPT, world, run_dir, *SMALL, "--steps", "8")
+        assert f"resharded from 4 to {world} ranks" in proc.stdout and "resuming from step 8" in proc.stdout
+        assert summary(run_dir)["param_digest"] == digest_at_8  # weights exactly as saved, right after load
+
+    # Continue the 2-rank copy to the end and export the weights as one plain file.
+    export = tmp_path / "model.pt"
+    torchrun(SCRIPT, 2, tmp_path / "at-2", *SMALL, "--export", export)
+    s = summary(tmp_path / "at-2")
+    assert (s["steps"], s["resumed_from_step"], s["world_size"]) == (16, 8, 2)
+    assert s["final_loss"] == pytest.approx(summary(reference)["final_loss"], abs=1e-3)  # same data, same steps
+    model = Transformer(ModelConfig(vocab=64, seq_len=16, dim=32, layers=2, heads=2))
+    model.load_state_dict(torch.load(export, weights_only=True))  # strict: the keys of the unwrapped model
+    assert param_digest(model.state_dict()) == s["param_digest"]
+
+
+def test_damaged_newest_checkpoint_falls_back_on_every_rank(tmp_path, reference):
+    run_dir = copy_run(reference, tmp_path / "run")
+    shard = run_dir / "ckpt" / "step-00000016" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = torchrun(SCRIPT, 2, run_dir, *SMALL)
+    assert "checkpoint step-00000016 did not load on every rank: falling back" in proc.stdout
+    assert "resuming from step 12" in proc.stdout
+    for rank in (0, 1):
+        assert [e["step"] for e in metrics(run_dir, rank, "load")] == [12]
+        assert [Path(e["path"]).name for e in metrics(run_dir, rank, "fallback")] == ["step-00000016"]
+    assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]
+
+
+def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, reference):
+    run_dir = copy_run(reference, tmp_path / "run")
+    for _, path in checkpoints(run_dir / "ckpt"):
+        (path / "__0_0.distcp").unlink()
+    proc = torchrun(SCRIPT, 1, run_dir, *SMALL, max_restarts=0, check=False)  # one rank: the same path, started faster
+    assert proc.returncode != 0
+    assert "error: no checkpoint in" in proc.stderr and "starting fresh" not in proc.stdout
+
+
+def test_fsdp_and_ddp_losses_agree(reference, ddp_reference):
+    fsdp, ddp = summary(reference), summary(ddp_reference)
+    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-4)  # other reduction order: not bitwise
+    assert set(fsdp) - {"async_save"} == set(ddp)
+
+
+def test_fsdp_state_per_rank_is_a_quarter_of_ddp_at_4_ranks(tmp_path, four_ranks):
+    torchrun("ddp/train.py", 4, tmp_path, *SMALL, "--steps", "2")
+
+    def largest_rank(run_dir):  # parameters, gradients and optimizer state after the last step, on the fullest rank
+        return max(metrics(run_dir, rank, "step")[-1]["state_bytes"] for rank in range(4))
+
+    assert largest_rank(four_ranks) <= 0.30 * largest_rank(tmp_path), (largest_rank(four_ranks), largest_rank(tmp_path))
