@@ -13,6 +13,14 @@ from conftest import REPO, SMALL, metrics, run_sh, summary, torchrun
 SCRIPT = "ddp/train.py"
 
 
+def single(run_dir, *flags):
+    """One process, no torchrun: `python ddp/train.py` (a process group of one)."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", str(run_dir), *map(str, flags)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_crash_at_step_resumes_bitwise(tmp_path, ddp_reference):
     proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", 10)
     assert "injected crash: rank 1 after step 10" in proc.stderr
@@ -33,12 +41,12 @@ def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
 
 
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, ddp_reference):
-    torchrun(SCRIPT, 2, tmp_path, *SMALL, "--steps", 8)
-    latest = tmp_path / "ckpt" / step_name(8, ".pt")
+    shutil.copytree(ddp_reference / "ckpt", tmp_path / "ckpt")
+    latest = tmp_path / "ckpt" / step_name(16, ".pt")
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
     proc = torchrun(SCRIPT, 2, tmp_path, *SMALL)
-    assert f"checkpoint {latest} unreadable" in proc.stdout and "resuming from step 4" in proc.stdout
-    assert summary(tmp_path)["resumed_from_step"] == 4
+    assert f"checkpoint {latest} unreadable" in proc.stdout and "resuming from step 12" in proc.stdout
+    assert summary(tmp_path)["resumed_from_step"] == 12
     assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
 
 
@@ -57,22 +65,19 @@ def test_two_crashes_resume_twice(tmp_path, ddp_reference):
 
 def test_resume_at_another_world_size(tmp_path, ddp_reference):
     shutil.copytree(ddp_reference / "ckpt", tmp_path / "ckpt")
-    # One process, no torchrun, loads the 2-rank checkpoint of step 16: exactly the saved weights...
-    def single(steps):
-        proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", tmp_path, *SMALL, "--steps", str(steps)],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "resuming from step 16" in proc.stdout
-        assert "world size changed from 2 to 1: per-rank RNG re-derived" in proc.stdout
-        return summary(tmp_path)
-    assert single(16)["param_digest"] == summary(ddp_reference)["param_digest"]
+    # One process loads the 2-rank checkpoint of step 16: exactly the saved weights...
+    proc = single(tmp_path, *SMALL)
+    assert "resuming from step 16" in proc.stdout
+    assert "world size changed from 2 to 1: per-rank RNG re-derived" in proc.stdout
+    assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
     # ...and trains on from there.
-    result = single(20)
+    single(tmp_path, *SMALL, "--steps", 20)
+    result = summary(tmp_path)
     assert (result["world_size"], result["steps"], result["resumed_from_step"]) == (1, 20, 16)
 
 
 def test_loss_falls_on_the_synthetic_task(tmp_path):
-    torchrun(SCRIPT, 2, tmp_path, "--steps", 150, "--save-every", 150, "--log-every", 1000)
+    single(tmp_path, "--steps", 150, "--save-every", 150, "--log-every", 1000)
     losses = [e["loss"] for e in metrics(tmp_path, 0, "step")]
     assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
 
@@ -109,7 +114,7 @@ def test_run_sh_rejects_bad_input_before_starting_workers(tmp_path):
 
 
 def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path):
-    torchrun(SCRIPT, 1, tmp_path, *SMALL, "--steps", 4)
+    single(tmp_path, *SMALL, "--steps", 4)
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--dim", 64, "--layers", 3)
     assert proc.returncode == 2
@@ -118,14 +123,10 @@ def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path):
     assert after == before
 
 
-def test_trains_on_a_text_file_without_torchrun(tmp_path):
+def test_trains_on_a_text_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 50)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", run_dir, *SMALL, "--steps", "8",
-                           "--data", text, "--vocab", "256"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = single(tmp_path / "run", *SMALL, "--steps", 8, "--data", text, "--vocab", 256)
     assert "no checkpoint, starting fresh" in proc.stdout
-    result = summary(run_dir)
+    result = summary(tmp_path / "run")
     assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < 5.6  # < ln 256
-    shutil.rmtree(run_dir)
