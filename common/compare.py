@@ -1,7 +1,7 @@
 """Measured comparison of DDP, FSDP, FSDP with async save and the parameter server.
 
     bash run.sh compare 4                  # about 8 minutes on a 2-core CPU machine
-    bash run.sh compare 4 --quick          # the main table only, on the medium model, fewer steps
+    bash run.sh compare 4 --quick          # the main table only, on the tiny model, fewer steps
     bash run.sh compare 4 --format json    # also: markdown, csv; the JSON always lands in results.json
 
 Each strategy runs through the real torchrun with the same model, seed, data, steps and world size,
@@ -142,7 +142,7 @@ def measure(clean, crashed, crash_step, world, strategy):
 def main(argv=None):
     p = Parser(prog="bash run.sh compare", description=__doc__.split("\n")[0])
     p.add_argument("nproc", type=int, help="processes (ranks) per job")
-    p.add_argument("--quick", action="store_true", help="main table only, medium model, fewer steps")
+    p.add_argument("--quick", action="store_true", help="main table only, tiny model, fewer steps")
     p.add_argument("--sizes", default="tiny,small,medium", help="model sizes of the growth table")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="columns, from: " + ", ".join(STRATEGIES))
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 30, quick 12)")
@@ -156,7 +156,7 @@ def main(argv=None):
         p.error(f"unknown strategy or size: {', '.join(unknown)}" if unknown else "needs at least 2 processes")
     steps = args.steps or (12 if args.quick else 30)
     save_every, crash_step = steps // 3, steps // 3 + steps // 6 + 1  # the crash replays a few steps
-    main_size = "medium" if args.quick else "tiny"
+    main_size = "tiny"
     split = math.lcm(args.nproc, args.nproc - 1)  # the global batch splits over all ranks and over rpc's trainers
     batch = split * max(1, round(24 / split))
     sizes = [] if args.quick else [s for s in args.sizes.split(",") if s != main_size]

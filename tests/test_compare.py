@@ -1,0 +1,44 @@
+"""The comparison runner end to end: `bash run.sh compare 4 --quick`, then the targets read from its JSON."""
+import json
+
+import pytest
+
+from conftest import run_sh
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    proc = run_sh("compare", 4, "--quick", "--format", "markdown", "--out", out, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| model state / rank (measured)" in proc.stdout  # the table was printed
+    assert "running fsdp --async-save tiny crash" in proc.stderr  # a progress line per run
+    return json.loads((out / "results.json").read_text())
+
+
+def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(results):
+    assert set(results["main"]) == {"ddp", "fsdp", "fsdp --async-save", "rpc"}
+    for strategy, row in results["main"].items():
+        assert row["resumed_digest_equal"], strategy
+        assert row["steps_replayed"] > 0 and row["recovery_s"] > 0 and row["load_s"] > 0
+
+
+def test_fsdp_holds_at_most_030_of_ddp_model_state_per_rank_at_4_ranks(results):
+    ddp, fsdp = results["main"]["ddp"], results["main"]["fsdp"]
+    assert results["meta"]["world_size"] == 4
+    # 16 bytes per parameter, replicated, plus AdamW's step counters (4 bytes per parameter tensor)
+    assert ddp["state_bytes_theory"] <= ddp["state_bytes_per_rank"] <= 1.001 * ddp["state_bytes_theory"]
+    assert fsdp["state_bytes_per_rank"] <= 0.30 * ddp["state_bytes_per_rank"]
+
+
+def test_async_save_blocks_the_loop_less_than_a_synchronous_save(results):
+    sync, async_ = results["main"]["fsdp"], results["main"]["fsdp --async-save"]
+    assert async_["save_blocking_s"] < async_["save_total_s"]
+    assert async_["save_blocking_s"] < sync["save_blocking_s"]
+
+
+def test_results_record_where_they_were_measured(results):
+    meta = results["meta"]
+    assert meta["command"].startswith("bash run.sh compare 4 --quick")
+    assert {"torch", "python", "device", "cpus", "world_size"} <= set(meta)
+    assert results["disk_reference_bytes_per_s"] > 0
