@@ -18,7 +18,7 @@ usage() {
 
 # The current interpreter if it has what requirements.txt lists, else a .venv made once for it.
 python_with_requirements() {
-  local check="import torch, numpy, tabulate, pytest; from torch.distributed.fsdp import fully_shard"
+  local check="import torch, numpy, tabulate, pytest, yaml; from torch.distributed.fsdp import fully_shard"
   for py in .venv/bin/python "${PYTHON:-python3}"; do
     if [ -x "$(command -v "$py")" ] && "$py" -c "$check" 2>/dev/null; then PY=$py; return; fi
   done

@@ -1,6 +1,6 @@
 """Measured comparison of DDP, FSDP, FSDP with async save and the parameter server.
 
-    bash run.sh compare 4                  # about 8 minutes on a 2-core CPU machine
+    bash run.sh compare 4                  # 16 jobs; about 8 minutes on a 2-core CPU machine
     bash run.sh compare 4 --quick          # the main table only, on the tiny model, fewer steps
     bash run.sh compare 4 --format json    # also: markdown, csv; the JSON always lands in results.json
 
@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
 from common.dist import free_port  # noqa: E402
+from common.model import PRESETS  # noqa: E402
 
 STRATEGIES = {  # column -> (script, extra flags)
     "ddp": ("ddp/train.py", []),
@@ -36,11 +37,7 @@ STRATEGIES = {  # column -> (script, extra flags)
     "fsdp --async-save": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
 }
-SIZES = {  # model flags; tiny -> medium spans about 16x in parameters
-    "tiny": ["--dim", "64", "--layers", "2", "--heads", "4"],
-    "small": ["--dim", "128", "--layers", "3", "--heads", "4"],
-    "medium": ["--dim", "192", "--layers", "4", "--heads", "6"],
-}
+SIZES = ["tiny", "small", "medium"]  # common.model.PRESETS; tiny -> medium spans 16x in parameters
 
 
 def torchrun_cmd(script, nproc, run_dir, flags, max_restarts=3):
@@ -100,6 +97,14 @@ def checkpoint_facts(job):
             "save_total_s": total, "write_bytes_per_s": size / total if total else None}
 
 
+def growth(job):
+    """The measures of the growth table, from one job that was crashed and resumed."""
+    last = {e["rank"]: e for e in job["events"] if e["event"] == "step"}
+    loads = [e["load_s"] for e in job["events"] if e["event"] == "load" and e["rank"] == 0]
+    return {"params": job["summary"]["params"], "state_bytes_per_rank": max(e.get("state_bytes") or 0 for e in last.values()),
+            "load_s": loads[-1] if loads else None, **checkpoint_facts(job)}
+
+
 def measure(clean, crashed, crash_step, world, strategy):
     steps = [e for e in clean["events"] if e["event"] == "step"]
     params = clean["summary"]["params"]
@@ -151,7 +156,7 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write PNG figures into this folder (needs matplotlib)")
     args = p.parse_args(argv)
     strategies = args.strategies.split(",")
-    unknown = [s for s in strategies + args.sizes.split(",") if s not in STRATEGIES and s not in SIZES]
+    unknown = [s for s in strategies + args.sizes.split(",") if s not in STRATEGIES and s not in PRESETS]
     if args.nproc < 2 or unknown:
         p.error(f"unknown strategy or size: {', '.join(unknown)}" if unknown else "needs at least 2 processes")
     steps = args.steps or (12 if args.quick else 30)
@@ -172,7 +177,7 @@ def main(argv=None):
         run_dir = out / f"{strategy.replace(' --', '-')}-{size}{'-crash' if crash else ''}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch,
-                 "--seq-len", 32, "--log-every", 1000, *SIZES[size], *extra]
+                 "--log-every", 1000, "--preset", size, *extra]
         flags += ["--crash-at-step", crash_step] if crash else []
         log(f"running {name} ...")
         return run_job(name, script, args.nproc, run_dir, flags, log)
@@ -182,10 +187,10 @@ def main(argv=None):
         clean, crashed = job(strategy, main_size, False), job(strategy, main_size, True)
         results["main"][strategy] = measure(clean, crashed, crash_step, args.nproc, strategy)
         results["growth"].setdefault(main_size, {})[strategy] = results["main"][strategy]
-    for size in sizes:
+    for size in sizes:  # one job each, with a crash: its saves and its load on resume are what grow
         for strategy in strategies:
-            clean, crashed = job(strategy, size, False), job(strategy, size, True)
-            results["growth"][size][strategy] = measure(clean, crashed, crash_step, args.nproc, strategy)
+            crashed = job(strategy, size, True)
+            results["growth"].setdefault(size, {})[strategy] = growth(crashed)
     biggest = max(r["ckpt_bytes"] for r in results["main"].values())
     results["disk_reference_bytes_per_s"] = disk_reference(out, biggest)
     for row in results["main"].values():
@@ -196,14 +201,14 @@ def main(argv=None):
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "world_size": args.nproc, "steps": steps, "save_every": save_every, "crash_at_step": crash_step,
-        "main_size": main_size, "sizes": {s: SIZES[s] for s in results["growth"]}, "elapsed_s": time.time() - started,
+        "main_size": main_size, "sizes": {s: PRESETS[s] for s in results["growth"]}, "elapsed_s": time.time() - started,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {out / 'results.json'}")
     print(render(results, args.format))
     if args.plot:
         plot(results, out, Path(args.plot), log)
-    if not all(r["resumed_digest_equal"] for size in results["growth"].values() for r in size.values()):
+    if not all(r["resumed_digest_equal"] for r in results["main"].values()):
         log("a crashed-and-resumed run did NOT end with the uninterrupted run's digest")
         return 1
     return 0

@@ -56,6 +56,11 @@ def parse_config(cls, check=None, argv=None, prog=None):
     """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error."""
     parser = make_parser(cls, prog=prog)
     cfg = cls(**vars(parser.parse_args(argv)))
+    if getattr(cfg, "preset", ""):  # a named model shape replaces the shape flags
+        from common.model import PRESETS
+        if cfg.preset not in PRESETS:
+            parser.error(f"--preset {cfg.preset}: choose from {', '.join(PRESETS)}")
+        cfg = dataclasses.replace(cfg, **PRESETS[cfg.preset])
     for problem in (check(cfg) if check else []):
         parser.error(problem)
     return cfg

@@ -20,6 +20,17 @@ class ModelConfig:
     tie_head: bool = False
 
 
+# Model shapes by name (--preset); the first three are the CPU sizes of the comparison runner, the
+# others GPT-2-like shapes for a GPU. Parameters: 12*dim^2*layers + 13*dim*layers + (2*vocab + seq_len)*dim.
+PRESETS = {
+    "tiny": dict(vocab=64, seq_len=32, dim=64, layers=2, heads=4),
+    "small": dict(vocab=64, seq_len=32, dim=128, layers=3, heads=4),
+    "medium": dict(vocab=64, seq_len=32, dim=192, layers=4, heads=6),
+    "160m": dict(vocab=50304, seq_len=1024, dim=768, layers=12, heads=12),
+    "400m": dict(vocab=50304, seq_len=1024, dim=1024, layers=24, heads=16),
+    "1b": dict(vocab=50304, seq_len=2048, dim=2048, layers=18, heads=16),
+}
+
 # The fields that fix the shape of the weights: a checkpoint made with other values cannot be loaded.
 SHAPE_FIELDS = ("vocab", "seq_len", "dim", "layers", "heads", "tie_head")
 

@@ -55,6 +55,7 @@ class Config:
     keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
+    preset: str = ""  # a named model shape (common.model.PRESETS: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
     vocab: int = 64  # vocabulary size (256 with --data)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width

@@ -108,6 +108,10 @@ def test_config_flags_come_from_the_dataclass(capsys):
     ddp = load_script(REPO / "ddp" / "train.py")
     cfg = parse_config(ddp.Config, argv=["--steps", "7", "--no-tie-head", "--crash-at-step", "3"])
     assert (cfg.steps, cfg.tie_head, cfg.crash_at_step, cfg.crash_in_save) == (7, False, 3, None)
+    small = parse_config(ddp.Config, argv=["--preset", "small", "--dim", "999"])
+    assert (small.dim, small.layers, small.heads, small.preset) == (128, 3, 4, "small")  # the preset wins
+    with pytest.raises(SystemExit):
+        parse_config(ddp.Config, argv=["--preset", "huge"])
     with pytest.raises(SystemExit):
         parse_config(ddp.Config, argv=["--help"])
     assert "total optimizer steps" in capsys.readouterr().out  # the field's comment is its help
