@@ -136,6 +136,8 @@ def main(cfg):
             monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]))
             print0(f"resuming from step {step}")
             del state
+        elif checkpoints(ckpt_dir):  # never train fresh over checkpoints that exist but do not load
+            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
         else:
             seed_rng(cfg.seed, rank)
             print0("no checkpoint, starting fresh")

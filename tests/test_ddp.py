@@ -50,6 +50,16 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, ddp_re
     assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
 
 
+def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, ddp_reference):
+    shutil.copytree(ddp_reference / "ckpt", tmp_path / "ckpt")
+    for path in (tmp_path / "ckpt").iterdir():
+        path.write_bytes(path.read_bytes()[:100])
+    proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", tmp_path, *SMALL], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "error: no checkpoint in" in proc.stderr
+    assert "starting fresh" not in proc.stdout and not (tmp_path / "summary.json").exists()
+
+
 def test_two_crashes_resume_twice(tmp_path, ddp_reference):
     # First launch dies at step 6 with no restarts left; the relaunch dies again at 14 and is restarted.
     first = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", 6, max_restarts=0, check=False)
