@@ -206,7 +206,7 @@ def main(argv=None):
                          sum(r["bad_loads"] for r in rs), sum(r["hung"] for r in rs),
                          f"{statistics.median(rec):.1f} s" if rec else "n/a"])
     print(f"chaos: {len(results)} trials, seed {args.seed}, strategies {args.strategies}")
-    print(tabulate(rows, headers=["fault", "jobs", "faults fired", "recovered", "digest == reference", "damaged loaded",
+    print(tabulate(rows, headers=["fault", "jobs", "jobs hit", "recovered", "digest == reference", "damaged loaded",
                                   "hangs", "median recovery"]))
     failed = [r for r in results if not (r["recovered"] and r["digest_equal"] and not r["bad_loads"])]
     for r in failed:
