@@ -106,6 +106,20 @@ def shape_mismatch(saved_cfg, cfg):
     return "checkpoint was made with " + ", ".join(diff) if diff else None
 
 
+def newest_shape_problem(ckpt_dir, cfg, read_config):
+    """A one-line problem if the newest readable checkpoint was made for another model shape, else None.
+    `read_config(path)` returns the config saved in a checkpoint; unreadable ones are skipped (the
+    resume falls back past them)."""
+    for _, path in checkpoints(ckpt_dir):
+        try:
+            saved = read_config(path)
+        except Exception:
+            continue
+        mismatch = shape_mismatch(saved, cfg)
+        return mismatch and f"{path}: {mismatch}; use another --run-dir"
+    return None
+
+
 def rng_state():
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, param_digest, prune,
-                               rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, newest_shape_problem,
+                               param_digest, prune, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import crash, first_attempt, print0, restarts, setup, teardown
@@ -70,15 +70,9 @@ class Config:
 
 def check(cfg):
     problems = common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    for _, path in checkpoints(Path(cfg.run_dir) / "ckpt"):  # the newest readable one must fit this model
-        try:
-            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]
-        except Exception:
-            continue  # unreadable: the resume below falls back past it
-        if shape_mismatch(saved, cfg):
-            problems.append(f"{path}: {shape_mismatch(saved, cfg)}; use another --run-dir")
-        break
-    return problems
+    shape = newest_shape_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
+                                 lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True)["config"])
+    return problems + [shape] if shape else problems
 
 
 def lr_at(cfg, step):

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from an
 import torch
 import torch.distributed.rpc as rpc
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, param_digest, prune,
-                               rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, newest_shape_problem,
+                               param_digest, prune, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import crash, first_attempt, pick_device, print0, restarts
@@ -87,15 +87,9 @@ def check(cfg):
     if not 0 < cfg.straggler_timeout < cfg.timeout_s:
         problems.append(f"--straggler-timeout must be > 0 and below --timeout-s {cfg.timeout_s} (a trainer may "
                         f"wait that long for its reply), got {cfg.straggler_timeout}")
-    for _, path in checkpoints(Path(cfg.run_dir) / "ckpt"):  # the newest readable one must fit this model
-        try:
-            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]
-        except Exception:
-            continue  # unreadable: the resume below falls back past it
-        if shape_mismatch(saved, cfg):
-            problems.append(f"{path}: {shape_mismatch(saved, cfg)}; use another --run-dir")
-        break
-    return problems
+    shape = newest_shape_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
+                                 lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True)["config"])
+    return problems + [shape] if shape else problems
 
 
 def lr_at(cfg, step):

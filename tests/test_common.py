@@ -1,5 +1,4 @@
 """Unit tests of the shared mechanics: atomic save, checkpoint lookup, keep-K, RNG, digest, data, CLI."""
-import os
 import random
 import subprocess
 import sys
