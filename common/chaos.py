@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints  # noqa: E402
-from common.compare import events, torchrun_cmd  # noqa: E402
+from common.compare import events, finish, torchrun_cmd  # noqa: E402
 from common.config import Parser  # noqa: E402
 
 JOBS = {  # strategy -> (script, processes, flags); small jobs, so that most of a trial is training
@@ -60,17 +60,6 @@ def workers(agent_pid):
         if int(fields[1]) == agent_pid:
             pids.append(int(stat.parent.name))
     return pids
-
-
-def finish(proc, deadline):
-    """Wait for the job until the deadline; a job still running then is a hang: kill it."""
-    try:
-        out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
-        return proc.returncode, out, False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out, True
 
 
 def restarted(run_dir):

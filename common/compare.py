@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,15 +60,29 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def run_job(name, script, nproc, run_dir, flags, log):
-    """Launch one job; returns what it wrote, plus the launch time."""
+def finish(proc, deadline):
+    """Wait for a job started in its own session until the deadline; one still running then is hung:
+    kill its whole process group. Returns (exit code or None, output, hung)."""
+    try:
+        out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+        return proc.returncode, out, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out, True
+
+
+def run_job(name, script, nproc, run_dir, flags, log, timeout_s=900):
+    """Launch one job; returns what it wrote, plus the launch time. A job past timeout_s is an error."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     start = time.time()
-    proc = subprocess.run(torchrun_cmd(script, nproc, run_dir, flags), cwd=REPO, env=env,
-                          capture_output=True, text=True)
-    log(f"  {name}: exit {proc.returncode} in {time.time() - start:.0f} s")
-    if proc.returncode != 0:
-        raise SystemExit(f"compare: {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    proc = subprocess.Popen(torchrun_cmd(script, nproc, run_dir, flags), cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    code, output, hung = finish(proc, start + timeout_s)
+    log(f"  {name}: {'hung, killed' if hung else f'exit {code}'} in {time.time() - start:.0f} s")
+    if code != 0:
+        raise SystemExit(f"compare: {name} failed ({'no end after ' + str(timeout_s) + ' s' if hung else f'exit {code}'}):"
+                         f"\n{output[-3000:]}")
     return {"launched": start, "summary": json.loads((Path(run_dir) / "summary.json").read_text()),
             "events": events(run_dir), "run_dir": Path(run_dir)}
 
