@@ -1,7 +1,8 @@
-"""Per-rank metrics as JSON lines: steps (loss, lr, time, tokens/s, memory, communication) and
+"""Per-rank metrics as JSON lines: steps (loss, lr, time, tokens/s, MFU, memory, communication) and
 events (save, load, resume, restart, fallback, reshard), in <run-dir>/metrics-rank<r>.jsonl.
 """
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -32,6 +33,32 @@ def memory(device):
     return {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+# Dense bf16 peak of one GPU, from the vendors' datasheets (FLOP/s), by a part of the name torch
+# reports; the first match wins. PEAK_TFLOPS in the environment overrides it, for any other device.
+BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device):
+    """The device's dense bf16 peak in FLOP/s, or None where it is not known (the CPU, other GPUs)."""
+    if os.environ.get("PEAK_TFLOPS"):
+        return float(os.environ["PEAK_TFLOPS"]) * 1e12
+    return bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def bf16_peak(gpu_name):
+    return next((peak for part, peak in BF16_PEAK_FLOPS if part in gpu_name), None)
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def mfu(flops, seconds, device):
+    """Model FLOPs utilisation: `flops` done in `seconds` on one device, over its bf16 peak (None if unknown)."""
+    peak = peak_flops(device)
+    return flops / seconds / peak if peak and seconds > 0 else None
+
+
 class Monitor:
     def __init__(self, run_dir, rank, device, log_every=10):
         self.rank, self.device, self.log_every = rank, device, log_every
@@ -47,8 +74,9 @@ class Monitor:
                    state_bytes=model_state_bytes, **mem, **extra)
         if self.rank == 0 and (step % self.log_every == 0 or step == 1):
             peak = next(iter(mem.values()))
+            utilisation = f" | mfu {extra['mfu']:.1%}" if extra.get("mfu") is not None else ""
             print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | dt {dt * 1000:6.1f} ms"
-                  f" | tok/s {tokens / dt:8.0f} | mem {peak / 2**20:.0f} MiB", flush=True)
+                  f" | tok/s {tokens / dt:8.0f}{utilisation} | mem {peak / 2**20:.0f} MiB", flush=True)
 
     def close(self):
         self.file.close()

@@ -33,7 +33,7 @@ from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import crash, first_attempt, print0, restarts, setup, teardown
 from common.model import Transformer, model_config, num_params
-from common.monitor import CommTimer, Monitor, state_bytes
+from common.monitor import CommTimer, Monitor, device_name, memory, mfu, state_bytes
 
 
 # ----------------------------------------------------------------------------- config
@@ -63,6 +63,7 @@ class Config:
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     log_every: int = 10  # print a log line every N steps
     timeout_s: int = 300  # collective timeout: a hung peer fails the job instead of stalling it
+    bf16: bool = True  # on CUDA: autocast the forward to bf16; weights, gradients and their all-reduce stay fp32 (CPU: fp32)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
@@ -102,7 +103,9 @@ def main(cfg):
         model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
-        print0(f"model: {num_params(model):,} parameters")
+        bf16 = cfg.bf16 and device.type == "cuda"
+        flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
+        print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute")
 
         # --------------------------------------------------------------------- resume
         # Rank 0 picks the newest checkpoint that loads (falling back past torn ones) and every rank
@@ -152,7 +155,8 @@ def main(cfg):
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
-            loss = ddp_model(inputs, targets)
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                loss = ddp_model(inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -166,7 +170,8 @@ def main(cfg):
             mean_loss = loss_sum.item() / world
             dt = time.perf_counter() - t0
             step_times.append(dt)
-            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop())
+            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
+                         mfu=mfu(flops_per_step, dt, device))
 
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
@@ -202,6 +207,8 @@ def main(cfg):
                 "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
                 "median_step_s": statistics.median(step_times) if step_times else None,
                 "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
+                "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
+                "device": device_name(device), **memory(device),
             }
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

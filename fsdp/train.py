@@ -42,7 +42,7 @@ from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import crash, first_attempt, print0, restarts, setup, teardown
 from common.model import Transformer, model_config, num_params
-from common.monitor import Monitor, state_bytes
+from common.monitor import Monitor, device_name, memory, mfu, state_bytes
 
 
 # ----------------------------------------------------------------------------- config
@@ -140,6 +140,7 @@ def main(cfg):
         fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, head
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
+        flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute,"
                f" sharded over {world} ranks")
 
@@ -231,7 +232,8 @@ def main(cfg):
             mean_loss = loss_sum.item() / world
             dt = time.perf_counter() - t0
             step_times.append(dt)
-            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer))
+            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
+                         mfu=mfu(flops_per_step, dt, device))
 
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
@@ -285,6 +287,8 @@ def main(cfg):
                 "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
                 "median_step_s": statistics.median(step_times) if step_times else None,
                 "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
+                "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
+                "device": device_name(device), **memory(device),
                 "async_save": cfg.async_save,
             }
             atomic_write_json(summary, run_dir / "summary.json")

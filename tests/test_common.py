@@ -9,6 +9,7 @@ import torch
 
 from common.checkpoint import (atomic_save, checkpoints, load_newest, param_digest, prune, rng_state,
                                set_rng_state, step_name)
+from common import monitor
 from common.config import parse_config
 from common.data import StepData
 from common.model import ModelConfig, Transformer
@@ -114,3 +115,14 @@ def test_config_flags_come_from_the_dataclass(capsys):
     with pytest.raises(SystemExit):
         parse_config(ddp.Config, argv=["--help"])
     assert "total optimizer steps" in capsys.readouterr().out  # the field's comment is its help
+
+
+def test_peak_flops_is_known_for_listed_gpus_or_given_by_the_environment(monkeypatch):
+    monkeypatch.delenv("PEAK_TFLOPS", raising=False)
+    assert monitor.peak_flops(torch.device("cpu")) is None and monitor.mfu(1e12, 1.0, torch.device("cpu")) is None
+    monkeypatch.setenv("PEAK_TFLOPS", "2")
+    assert monitor.mfu(1e12, 1.0, torch.device("cpu")) == 0.5
+    names = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
+             "NVIDIA A100-SXM4-80GB": 312e12}
+    assert {name: monitor.bf16_peak(name) for name in names} == names
+    assert monitor.bf16_peak("NVIDIA GeForce RTX 4090") is None  # unlisted: no MFU unless PEAK_TFLOPS is set

@@ -1,5 +1,6 @@
 """DDP end to end on CPU with gloo: crashes and restarts under the real torchrun end bitwise equal."""
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,10 @@ from conftest import REPO, SMALL, metrics, run_sh, summary, torchrun
 SCRIPT = "ddp/train.py"
 
 
-def single(run_dir, *flags):
+def single(run_dir, *flags, env=None):
     """One process, no torchrun: `python ddp/train.py` (a process group of one)."""
     proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", str(run_dir), *map(str, flags)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -86,10 +87,16 @@ def test_resume_at_another_world_size(tmp_path, ddp_reference):
     assert (result["world_size"], result["steps"], result["resumed_from_step"]) == (1, 20, 16)
 
 
-def test_loss_falls_on_the_synthetic_task(tmp_path):
-    single(tmp_path, "--steps", 150, "--save-every", 150, "--log-every", 1000)
-    losses = [e["loss"] for e in metrics(tmp_path, 0, "step")]
+def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
+    # PEAK_TFLOPS gives the CPU a peak, so the MFU figures that a GPU run logs are checked here too.
+    single(tmp_path, "--steps", 150, "--save-every", 150, "--log-every", 1000, env={"PEAK_TFLOPS": "0.5"})
+    steps, result = metrics(tmp_path, 0, "step"), summary(tmp_path)
+    losses = [e["loss"] for e in steps]
     assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
+    flops_per_token = 6 * result["params"]  # one rank: MFU = 6 x params x tokens/s over the peak
+    for e in steps:
+        assert e["mfu"] == pytest.approx(flops_per_token * e["tokens_per_s"] / 0.5e12, rel=1e-9)
+    assert result["mfu"] == pytest.approx(flops_per_token * result["tokens_per_s"] / 0.5e12, rel=1e-9)
 
 
 @pytest.mark.parametrize("flags, message", [

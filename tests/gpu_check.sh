@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU check (opt-in, one GPU, about 7 minutes on an H200): the CUDA + NCCL + bf16 path of both
+# scripts on the largest preset (tokens/s, MFU, peak memory, save times), then on the GPU a run
+# crashed after step 25 and restarted by torchrun against one never crashed (digests must match).
+#   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
+#   BIG=tiny BATCH=8 STEPS=10 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
+# OUT (default /tmp/devout) receives the log and both summary.json files.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 MAX_RESTARTS=${MAX_RESTARTS:-3}
+OUT=${OUT:-/tmp/devout}; mkdir -p "$OUT"
+BIG=${BIG:-1b}; BATCH=${BATCH:-8}; STEPS=${STEPS:-30}; SMALL=${SMALL:-small}
+R=/tmp/devruns; rm -rf $R; mkdir -p $R
+exec > >(tee "$OUT/log") 2>&1
+log() { echo "=== $* (t=${SECONDS}s)"; }
+
+log machine
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
+python3 - <<'PY'
+import time, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(0), "nccl", torch.cuda.nccl.version())
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+    for _ in range(3): a @ b
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(20): a @ b
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 20
+    print(f"bf16 matmul 8192^3: {2 * 8192**3 / dt / 1e12:.0f} TFLOP/s")
+PY
+
+# 1. The largest preset, bf16, one GPU: throughput, MFU, memory, a save in the middle and at the end.
+for s in fsdp ddp; do
+  extra=(); [ $s = fsdp ] && extra=(--async-save)
+  log "$s 1 --preset $BIG"
+  MAX_RESTARTS=0 timeout 240 bash run.sh $s 1 --preset $BIG --batch-size $BATCH --steps $STEPS \
+    --save-every $((STEPS / 2)) --log-every 5 --run-dir $R/$s-big "${extra[@]}" 2>&1 | grep -v Warning | tail -14
+  cp $R/$s-big/summary.json "$OUT/$s-$BIG-summary.json"
+  grep '"save"' $R/$s-big/metrics-rank0.jsonl
+  du -sh $R/$s-big/ckpt/*; rm -rf $R/$s-big/ckpt
+done
+
+# 2. Bitwise resume on the GPU: a run killed after step 25 and restarted by torchrun against one never killed.
+for s in fsdp ddp; do
+  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40)
+  log "$s resume on $SMALL"
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref 2>&1 | grep -E "^done|Error" | tail -2
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-crash --crash-at-step 25 2>&1 | grep -E "injected|resuming|^done|Error" | tail -4
+  same() { python3 -c "import json,sys; a,b=(json.load(open(f'$R/$s-{n}/summary.json'))['param_digest'] for n in sys.argv[1:]); print('$s', *sys.argv[1:], 'digest equal' if a==b else 'DIGEST DIFFERS')" "$@"; }
+  same ref crash
+  if ! grep -q "$(python3 -c "import json; print(json.load(open('$R/$s-ref/summary.json'))['param_digest'])")" $R/$s-crash/summary.json; then
+    log "$s: a second uninterrupted run, to tell GPU nondeterminism from a resume bug"
+    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref2 2>&1 | grep -E "^done|Error" | tail -1
+    same ref ref2
+  fi
+done
+log end
