@@ -39,7 +39,7 @@ from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import crash, first_attempt, pick_device, print0, restarts
 from common.model import Transformer, model_config, num_params
-from common.monitor import Monitor, memory, state_bytes
+from common.monitor import Monitor, memory, mfu, state_bytes
 
 
 # ----------------------------------------------------------------------------- config
@@ -330,7 +330,8 @@ def main(cfg):
             if reply is None:
                 break
             monitor.event("step", step=step + 1, loss=loss.item(), step_s=t2 - t0, compute_s=t1 - t0, wait_s=t2 - t1,
-                          tokens_per_s=tokens_per_step / trainers / (t2 - t0), **memory(device))
+                          tokens_per_s=tokens_per_step / trainers / (t2 - t0), **memory(device),
+                          mfu=mfu(6 * num_params(model) * tokens_per_step / trainers, t2 - t0, device))
             if cfg.crash_at_step == step + 1 and rank == crash_rank and first_attempt():
                 crash(f"trainer {rank} after step {step + 1}")
         if reply is None:
