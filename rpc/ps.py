@@ -37,7 +37,7 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load
                                param_digest, prune, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, pick_device, print0, restarts
+from common.dist import crash, first_attempt, pick_device, print0, restarts, teardown
 from common.model import Transformer, model_config, num_params
 from common.monitor import Monitor, memory, mfu, state_bytes
 
@@ -344,6 +344,7 @@ def main(cfg):
     rpc.shutdown()
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
     monitor.close()
+    teardown()
 
 
 if __name__ == "__main__":

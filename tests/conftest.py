@@ -54,3 +54,12 @@ def ddp_reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ddp-reference")
     torchrun("ddp/train.py", 2, run_dir, *SMALL)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def fsdp_four_ranks(tmp_path_factory):
+    """The uninterrupted 4-rank FSDP job (SMALL: 16 steps; checkpoints 8, 12 and 16 kept), for the
+    resharding and two-node tests. SMALL's global batch of 12 splits over 4, 3 and 2 ranks."""
+    run_dir = tmp_path_factory.mktemp("fsdp-4-ranks")
+    torchrun("fsdp/train.py", 4, run_dir, *SMALL)
+    return run_dir

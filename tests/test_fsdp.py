@@ -20,14 +20,6 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    """A 4-rank job stopped at step 8 (SMALL's global batch of 12 splits over 4, 3 and 2 ranks)."""
-    run_dir = tmp_path_factory.mktemp("fsdp-4-ranks")
-    torchrun(SCRIPT, 4, run_dir, *SMALL, "--steps", "8")
-    return run_dir
-
-
 def copy_run(src, dst):
     shutil.copytree(src, dst)
     (Path(dst) / "summary.json").unlink()
@@ -65,19 +57,22 @@ def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, r
     assert all(0 < e["blocking_s"] <= e["total_s"] and e["bytes"] > 0 for e in saves)
 
 
-def test_reshard_4_to_2_and_3_ranks_then_continue(tmp_path, four_ranks, reference):
-    digest_at_8 = summary(four_ranks)["param_digest"]
-    for world in (2, 3):
-        run_dir = copy_run(four_ranks, tmp_path / f"at-{world}")
-        proc = torchrun(SCRIPT, world, run_dir, *SMALL, "--steps", "8")
-        assert f"resharded from 4 to {world} ranks" in proc.stdout and "resuming from step 8" in proc.stdout
-        assert summary(run_dir)["param_digest"] == digest_at_8  # weights exactly as saved, right after load
+def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks, reference):
+    # 4 -> 2 ranks is the one-node resume of the two-node test (test_scaleout.py).
+    run_dir = copy_run(fsdp_four_ranks, tmp_path / "at-16")
+    proc = torchrun(SCRIPT, 3, run_dir, *SMALL)  # nothing left to train: exactly the saved weights
+    assert "resharded from 4 to 3 ranks" in proc.stdout and "resuming from step 16" in proc.stdout
+    assert summary(run_dir)["param_digest"] == summary(fsdp_four_ranks)["param_digest"]
 
-    # Continue the 2-rank copy to the end and export the weights as one plain file.
+    # From the 4-rank step-8 checkpoint, train steps 9-16 on 3 ranks and export the weights as one file.
+    run_dir = copy_run(fsdp_four_ranks, tmp_path / "from-8")
+    for step in (12, 16):
+        shutil.rmtree(run_dir / "ckpt" / f"step-{step:08d}")
     export = tmp_path / "model.pt"
-    torchrun(SCRIPT, 2, tmp_path / "at-2", *SMALL, "--export", export)
-    s = summary(tmp_path / "at-2")
-    assert (s["steps"], s["resumed_from_step"], s["world_size"]) == (16, 8, 2)
+    proc = torchrun(SCRIPT, 3, run_dir, *SMALL, "--export", export)
+    assert "resharded from 4 to 3 ranks" in proc.stdout and "resuming from step 8" in proc.stdout
+    s = summary(run_dir)
+    assert (s["steps"], s["resumed_from_step"], s["world_size"]) == (16, 8, 3)
     assert s["final_loss"] == pytest.approx(summary(reference)["final_loss"], abs=1e-3)  # same data, same steps
     model = Transformer(ModelConfig(vocab=64, seq_len=16, dim=32, layers=2, heads=2))
     model.load_state_dict(torch.load(export, weights_only=True))  # strict: the keys of the unwrapped model

@@ -28,9 +28,8 @@ def two_nodes(script, nproc, run_dir, *flags, timeout=300):
     return outputs
 
 
-def test_worker_killed_on_one_node_both_resume_then_one_node_resumes_alone(tmp_path):
-    reference = tmp_path / "reference"
-    torchrun("fsdp/train.py", 4, reference, *SMALL)
+def test_worker_killed_on_one_node_both_resume_then_one_node_resumes_alone(tmp_path, fsdp_four_ranks):
+    reference = fsdp_four_ranks  # the same job on one node, uninterrupted
     run = tmp_path / "two-nodes"
     # c10d orders the nodes by their agents, so ranks 2-3 share a node: kill rank 3 there. Its agent
     # restarts its workers; the other node's agent sees the group change and restarts its own.
