@@ -83,6 +83,12 @@ def common_problems(cfg, data_ranks):
         problems.append(f"--data {cfg.data}: no such file")
     elif cfg.data and cfg.vocab != 256:
         problems.append(f"--data trains on bytes: it needs --vocab 256, got {cfg.vocab}")
+    peak = os.environ.get("PEAK_TFLOPS", "")
+    try:
+        if peak and not float(peak) > 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got {peak!r}")
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=cfg.run_dir):

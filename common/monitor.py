@@ -35,7 +35,7 @@ def memory(device):
 
 # Dense bf16 peak of one GPU, from the vendors' datasheets (FLOP/s), by a part of the name torch
 # reports; the first match wins. PEAK_TFLOPS in the environment overrides it, for any other device.
-BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
 def peak_flops(device):

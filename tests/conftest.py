@@ -18,14 +18,14 @@ SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "
          "--seq-len", "16", "--batch-size", "12", "--log-every", "100"]
 
 
-def torchrun(script, nproc, run_dir, *flags, max_restarts=3, timeout=240, check=True, nnodes=1):
+def torchrun(script, nproc, run_dir, *flags, max_restarts=3, timeout=240, check=True, nnodes=1, env=None):
     """Run `script` under torchrun with its own free rendezvous port; returns the CompletedProcess.
 
     With check=True a non-zero exit fails the test and shows the job's output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
            f"--rdzv-id={uuid.uuid4().hex[:8]}", str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

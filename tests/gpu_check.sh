@@ -41,7 +41,7 @@ done
 
 # 2. Bitwise resume on the GPU: a run killed after step 25 and restarted by torchrun against one never killed.
 for s in fsdp ddp; do
-  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40)
+  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40); [ $s = fsdp ] && flags+=(--async-save)
   log "$s resume on $SMALL"
   bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref 2>&1 | grep -E "^done|Error" | tail -2
   bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-crash --crash-at-step 25 2>&1 | grep -E "injected|resuming|^done|Error" | tail -4

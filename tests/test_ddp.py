@@ -108,10 +108,13 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--data", "/no/such/file.txt", "--vocab", "256"], "--data /no/such/file.txt: no such file"),
     (["--run-dir", "/etc/hostname/run"], "--run-dir /etc/hostname/run is not writable"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch, capsys):
     # The check run.sh does before torchrun starts workers (and each worker again at start).
     monkeypatch.setenv("WORLD_SIZE", "2")
+    if "PEAK_TFLOPS" in message:
+        monkeypatch.setenv("PEAK_TFLOPS", "fast")
     ddp = load_script(REPO / SCRIPT)
     run_dir = [] if "--run-dir" in flags else ["--run-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_:

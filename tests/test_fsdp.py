@@ -10,13 +10,15 @@ from common.checkpoint import checkpoints, param_digest
 from common.model import ModelConfig, Transformer
 
 SCRIPT = "fsdp/train.py"
+PEAK_TFLOPS = 0.5
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-rank job (16 steps, a checkpoint every 4) that the other runs are compared with."""
+    """The uninterrupted 2-rank job (16 steps, a checkpoint every 4) that the other runs are compared with.
+    PEAK_TFLOPS gives the CPU a bf16 peak, so that it logs MFU as on a GPU."""
     run_dir = tmp_path_factory.mktemp("fsdp-reference")
-    torchrun(SCRIPT, 2, run_dir, *SMALL)
+    torchrun(SCRIPT, 2, run_dir, *SMALL, env={"PEAK_TFLOPS": str(PEAK_TFLOPS)})
     return run_dir
 
 
@@ -99,6 +101,14 @@ def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, referenc
     proc = torchrun(SCRIPT, 1, run_dir, *SMALL, max_restarts=0, check=False)  # one rank: the same path, started faster
     assert proc.returncode != 0
     assert "error: no checkpoint in" in proc.stderr and "starting fresh" not in proc.stdout
+
+
+def test_mfu_counts_the_tokens_of_each_rank(reference):
+    s = summary(reference)
+    flops_per_s_per_rank = 6 * s["params"] * s["tokens_per_s"] / s["world_size"]  # tokens_per_s: the global batch
+    assert s["world_size"] == 2 and s["mfu"] == pytest.approx(flops_per_s_per_rank / (PEAK_TFLOPS * 1e12), rel=1e-9)
+    for rank in (0, 1):
+        assert all(e["mfu"] > 0 for e in metrics(reference, rank, "step"))
 
 
 def test_fsdp_and_ddp_losses_agree(reference, ddp_reference):
