@@ -1,16 +1,24 @@
-"""Chaos soak: seeded random faults, each job checked against its uninterrupted reference.
+"""Chaos soak: seeded faults fired at chosen training steps, each job checked against its reference.
 
-    bash run.sh chaos                               # a short soak (a few minutes on 2 cores)
+    bash run.sh chaos                               # every fault kind once (a few minutes on 2 cores)
     bash run.sh chaos --trials 40 --seed 7          # a long one; the seed reproduces every trial
     bash run.sh chaos --strategies fsdp --trials 10
+    bash run.sh chaos --plan sigstop:ddp,async-in-flight:fsdp-async --ranks 1   # these trials, smallest jobs
 
-Faults, drawn at random per trial: SIGKILL of a random worker at a random moment of training
-(mid-forward, mid-backward, mid-collective or mid-save, wherever it lands), --crash-at-step on a
-random rank, --crash-in-save, two faults in one job (a crash, then a SIGKILL after the restart),
-the newest checkpoint truncated or a shard deleted between two launches, and a crash while an
-async save is in flight. A trial passes when the job finishes within its time bound, loaded no
-damaged checkpoint, and ends with the reference digest. Exit code 1 if any trial failed.
+Faults (KINDS), each at a step drawn at random, never at a moment in time, so that it always lands
+in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
+one: its peers' collectives time out, torchrun stops the job and restarts it) sent to a random
+worker a random fraction of a step after the job completed that step; --crash-at-step on a random
+rank; --crash-in-save; two faults in one job (a crash, then a SIGKILL at a step drawn from those
+left after the resume); the newest checkpoint damaged between two launches (damage-newest), or
+unreadable only until the relaunch has chosen where to resume (transient-read); a crash while an
+async save is in flight. The first trials take every kind once, then kinds are drawn at random.
+
+A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
+its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
+for a while, and ended with the reference digest. Exit code 1 if any trial failed.
 """
+import dataclasses
 import json
 import os
 import random
@@ -19,73 +27,166 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.checkpoint import checkpoints  # noqa: E402
-from common.compare import events, finish, torchrun_cmd  # noqa: E402
+from common.checkpoint import checkpoints, step_name  # noqa: E402
+from common.compare import events  # noqa: E402
 from common.config import Parser  # noqa: E402
+from common.launch import finish, problems, start, torchrun, workers  # noqa: E402
 
-JOBS = {  # strategy -> (script, processes, flags); small jobs, so that most of a trial is training
-    "ddp": ("ddp/train.py", 2, []),
-    "fsdp": ("fsdp/train.py", 2, []),
-    "fsdp-async": ("fsdp/train.py", 2, ["--async-save"]),
-    "rpc": ("rpc/ps.py", 3, []),
+JOBS = {  # strategy -> (script, flags)
+    "ddp": ("ddp/train.py", []),
+    "fsdp": ("fsdp/train.py", []),
+    "fsdp-async": ("fsdp/train.py", ["--async-save"]),
+    "rpc": ("rpc/ps.py", []),
 }
-STEPS, EVERY = 48, 4
-COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", "64", "--layers", "2", "--heads", "4",
-          "--seq-len", "32", "--batch-size", "12", "--log-every", "1000"]
-KINDS = ["sigkill", "crash-at-step", "crash-in-save", "two-faults", "damage-newest", "async-in-flight"]
+STEPS, EVERY, BATCH = 24, 4, 12
+# Dropout on: only the per-rank RNG saved in each checkpoint then makes a resumed job bitwise equal.
+COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", 64, "--layers", 2, "--heads", 4, "--seq-len", 32,
+          "--batch-size", BATCH, "--log-every", 1000, "--dropout", 0.1]
+# A hang is noticed when a peer's collective times out. ddp and fsdp shorten their collective timeout
+# once training runs (--hang-timeout-s, or 20 steps' time); the parameter server has its RPC timeout.
+# torchrun then waits 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
+# obeys. rpc's straggler timeout must stay below its RPC timeout.
+HANG = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8]}
+HANG_DEFAULT = ["--hang-timeout-s", 5]
+KINDS = ["sigkill", "sigterm", "sigstop", "crash-at-step", "crash-in-save", "two-faults", "damage-newest",
+         "transient-read", "async-in-flight"]
+SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
+RESTARTS = {"two-faults": 2, "damage-newest": 0, "transient-read": 0}  # torchrun restarts a fault causes; else 1
+POLL_S = 0.005  # how often the metrics files are read while waiting for a step
 
 
-def launch(script, nproc, run_dir, flags, max_restarts=3):
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = torchrun_cmd(script, nproc, run_dir, flags, max_restarts)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True), cmd
+def applies(kind, strategy):
+    return kind != "async-in-flight" or strategy == "fsdp-async"
 
 
-def workers(agent_pid):
-    """PIDs of the processes torchrun's agent started (its direct children)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == agent_pid:
-            pids.append(int(stat.parent.name))
-    return pids
+def processes(strategy, kind, ranks):
+    if strategy == "rpc":
+        return max(3, ranks + 1)  # a server and at least two trainers
+    return max(2, ranks) if kind == "sigstop" else ranks  # a hang is noticed only by a peer
 
 
-def restarted(run_dir):
-    return any(e["event"] == "start" and e["restarts"] > 0 for e in events(run_dir))
+@dataclass
+class Reference:
+    digest: str
+    step_s: float  # median step time of rank 0
+    total_s: float  # launch to exit
 
 
-def sigkill_during_training(proc, run_dir, rng, window, deadline, after_restart=False):
-    """SIGKILL one random worker at a random moment of training. Returns the kill time, or None."""
-    while not (restarted(run_dir) if after_restart else any(e["event"] == "step" for e in events(run_dir))):
-        try:
-            proc.wait(timeout=0.1)  # the job ended before training started: nothing to kill
-            return None
-        except subprocess.TimeoutExpired:
-            if time.time() > deadline:
-                return None
+@dataclass
+class Trial:
+    trial: int
+    strategy: str
+    kind: str
+    processes: int
+    expected_restarts: int
+    command: str = ""
+    fired: bool = False  # the fault happened: signal delivered during training, crash injected, file damaged
+    fault_step: Optional[int] = None  # the step the (last) fault followed; async-in-flight: the save it hit
+    restarts: Optional[int] = None  # torchrun restarts, from summary.json
+    exit: Optional[int] = None
+    hung: bool = False
+    recovered: bool = False  # exit 0 with a summary
+    digest_equal: bool = False
+    bad_loads: int = 0  # resumes from the damaged, hidden or torn checkpoint
+    kept: Optional[bool] = None  # transient-read: the checkpoint's bytes are still on disk, under some name
+    in_flight: Optional[bool] = None  # async-in-flight: the save had neither its save event nor its commit at the kill
+    detect_s: Optional[float] = None  # sigstop: from the SIGSTOP to the restart's start event
+    recovery_s: Optional[float] = None  # from the (last) fault to the first step after the last restart
+    problems: list = field(default_factory=list)
+    output_tail: str = ""
+    passed: bool = False
+
+
+# ----------------------------------------------------------------------------- watching a job
+class Watch:
+    """Follows a job's metrics-rank<r>.jsonl files as they grow (an earlier launch's lines are skipped).
+    Each event gets `attempt`: the torchrun restart count of its rank's last start event. Step, save
+    and start events are labelled right; a load or fallback, written before its start event, is not."""
+
+    def __init__(self, run_dir):
+        self.run_dir, self.events, self.attempt = Path(run_dir), [], {}
+        self.offset = {p: p.stat().st_size for p in self.run_dir.glob("metrics-rank*.jsonl")}
+
+    def poll(self):
+        for path in sorted(self.run_dir.glob("metrics-rank*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.offset.get(path, 0))
+                data = f.read()
+            data = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self.offset[path] = self.offset.get(path, 0) + len(data)
+            for line in data.splitlines():
+                e = json.loads(line)
+                if e["event"] == "start":
+                    self.attempt[e["rank"]] = e["restarts"]
+                self.events.append({**e, "attempt": self.attempt.get(e["rank"], -1)})
+        return self.events
+
+    def first(self, proc, deadline, event, attempt, min_step=None):
+        """Rank 0's first `event` of torchrun attempt `attempt` (a step event: at `min_step` or later),
+        waiting for it while the job runs; None if the job ends or the deadline passes first."""
+        while proc.poll() is None and time.time() < deadline:
+            for e in self.poll():
+                if (e["rank"] == 0 and e["event"] == event and e["attempt"] == attempt
+                        and (min_step is None or e["step"] >= min_step)):
+                    return e
+            time.sleep(POLL_S)  # watching for an event, not waiting for a guessed moment
+        return None
+
+    def latest_step(self, attempt):
+        return max((e["step"] for e in self.poll() if e["rank"] == 0 and e["event"] == "step"
+                    and e["attempt"] == attempt), default=0)
+
+
+def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline):
+    """Once rank 0 has completed `step` in torchrun attempt `attempt`, wait a random fraction of a
+    step, then send `sig` to the worker of a random rank from `ranks`. Returns (time sent, the step
+    completed then), or None if the job was no longer training."""
+    if watch.first(proc, deadline, "step", attempt, min_step=step) is None:
+        return None
     try:
-        proc.wait(timeout=rng.uniform(0, window))  # the fault's random moment
+        proc.wait(timeout=rng.uniform(0, step_s))  # the fault's random moment within the next step
         return None
     except subprocess.TimeoutExpired:
-        pids = workers(proc.pid)
-        if not pids:
-            return None
-        os.kill(rng.choice(pids), signal.SIGKILL)
-        return time.time()
+        pass
+    pid, reached = workers(proc.pid, attempt).get(rng.choice(ranks)), watch.latest_step(attempt)
+    if pid is None or reached >= STEPS:  # training is over: the fault would not land in it
+        return None
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return None
+    return time.time(), reached
 
 
+def kill_in_flight(proc, rng, run_dir, ranks, saving, deadline):
+    """SIGKILL a random worker of `ranks` while the async save of step `saving` is being written in the
+    background: a shard of it on disk, its commit marker (.metadata) not yet. A save that commits before
+    it is caught passes the fault on to the next save step. Returns (time sent, the step whose save it
+    hit), or None."""
+    for step in range(saving, STEPS, EVERY):
+        folder = run_dir / "ckpt" / step_name(step)
+        while proc.poll() is None and time.time() < deadline and not (folder / ".metadata").exists():
+            if any(folder.glob("*.distcp")):  # written by the background thread, after the loop went on
+                try:
+                    os.kill(workers(proc.pid, 0)[rng.choice(ranks)], signal.SIGKILL)
+                except (KeyError, ProcessLookupError):
+                    return None
+                return time.time(), step
+            time.sleep(POLL_S)
+    return None
+
+
+# ----------------------------------------------------------------------------- damaging checkpoints
 def damage_newest(run_dir, rng):
     """Truncate the newest committed checkpoint, or delete one of its shard files. Returns its step."""
     step, path = checkpoints(Path(run_dir) / "ckpt")[0]
@@ -97,111 +198,257 @@ def damage_newest(run_dir, rng):
     return step
 
 
-def run_trial(t, strategy, kind, rng, out, reference, bound):
-    script, nproc, extra = JOBS[strategy]
+def hide_newest(run_dir, rng):
+    """Make the newest committed checkpoint unreadable for a while: a .pt file is swapped for its first
+    half, a DCP folder loses one shard. Returns (step, path, the original bytes of its files by name)."""
+    step, path = checkpoints(Path(run_dir) / "ckpt")[0]
+    if path.is_file():
+        original = {"": path.read_bytes()}
+        path.write_bytes(original[""][: len(original[""]) // 2])
+    else:
+        original = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+        (path / rng.choice(sorted(n for n in original if n.endswith(".distcp")))).unlink()
+    return step, path, original
+
+
+def where_now(path):
+    """A checkpoint's path now: its own, or the name the job moved it aside to, or None if it is gone."""
+    if path.exists():
+        return path
+    aside = sorted(path.parent.glob(f"{path.name}*.unreadable-*"))
+    return aside[-1] if aside else None
+
+
+def put_back(path, original):
+    """The hidden bytes become readable again, wherever the checkpoint is now. Returns that place."""
+    now = where_now(path)
+    if now is not None and now.is_file():
+        now.write_bytes(original[""])
+    elif now is not None:
+        for name, data in original.items():
+            if not (now / name).exists():
+                (now / name).write_bytes(data)
+    return now
+
+
+def intact(place, original):
+    if place is None or not place.exists():
+        return False
+    if place.is_file():
+        return place.read_bytes() == original[""]
+    return all((place / n).is_file() and (place / n).read_bytes() == data for n, data in original.items())
+
+
+# ----------------------------------------------------------------------------- one trial
+def run_trial(t, strategy, kind, rng, out, ref, ranks):
+    script, extra = JOBS[strategy]
+    nproc = processes(strategy, kind, ranks)
     run_dir = out / f"trial-{t:03d}-{strategy}-{kind}"
-    flags, crash_rank = [*COMMON, *extra], rng.randrange(nproc)
-    steps, every = STEPS, EVERY
-    if kind in ("crash-at-step", "two-faults"):
-        flags += ["--crash-at-step", rng.randrange(1, steps), "--crash-rank", crash_rank]
+    trial = Trial(t, strategy, kind, nproc, RESTARTS.get(kind, 1))
+    flags = [*COMMON, *extra, *(HANG.get(strategy, HANG_DEFAULT) if kind == "sigstop" else [])]
+    deadline = time.time() + 4 * ref.total_s + 60 + (60 if kind == "sigstop" else 0)
+    crash_rank = rng.randrange(nproc)
+    crashed = None  # the step after which --crash-at-step fires
+    damaged = None  # the step of a checkpoint that must never be loaded: damaged, hidden or torn
+    hidden = original = place = None  # transient-read: the hidden checkpoint, its bytes, where they went back
+    committed_at = None  # async-in-flight: when the save the fault hit committed, if it did
+
+    # ------------------------------------------------------------------------- before the job
+    if kind in ("damage-newest", "transient-read"):  # a first launch dies with no restart left
+        crashed = rng.randint(2 * EVERY, STEPS - 1)
+        first = start(*torchrun(script, nproc, run_dir, [*flags, "--crash-at-step", crashed], max_restarts=0),
+                      log=f"{run_dir}-first.log")
+        code, output, _ = finish(first, deadline)
+        if code == 0 or "injected crash" not in output or not checkpoints(run_dir / "ckpt"):
+            trial.problems.append(f"the first launch did not crash as injected (exit {code})")
+            trial.output_tail = output[-3000:]
+            return trial
+        if kind == "damage-newest":
+            damaged = damage_newest(run_dir, rng)
+        else:
+            damaged, hidden, original = hide_newest(run_dir, rng)
+    elif kind in ("crash-at-step", "two-faults"):  # two-faults leaves room for a second fault after the resume
+        crashed = rng.randint(1, STEPS - (4 if kind == "two-faults" else 1))
+        flags += ["--crash-at-step", crashed, "--crash-rank", crash_rank]
     elif kind == "crash-in-save":
-        flags += ["--crash-in-save", rng.randrange(every, steps, every)]
-    elif kind == "async-in-flight":  # right after a save was started in the background
-        flags += ["--crash-at-step", rng.randrange(every, steps - 1, every) + 1, "--crash-rank", crash_rank]
-    deadline, damaged, fault_at = time.time() + bound, None, None
-    if kind == "damage-newest":  # first launch dies with no restart left; damage; relaunch
-        proc, cmd = launch(script, nproc, run_dir, [*flags, "--crash-at-step", rng.randrange(2 * every, steps)], 0)
-        finish(proc, deadline)
-        damaged = damage_newest(run_dir, rng)
-    proc, cmd = launch(script, nproc, run_dir, flags)
-    if kind in ("sigkill", "two-faults"):
-        fault_at = sigkill_during_training(proc, run_dir, rng, 0.9 * reference["train_s"], deadline,
-                                           after_restart=kind == "two-faults")
-    code, output, hung = finish(proc, deadline)
-    result = {"trial": t, "strategy": strategy, "kind": kind, "hung": hung, "exit": code,
-              "command": " ".join(map(str, cmd)), "killed": fault_at is not None}
+        damaged = rng.randrange(EVERY, STEPS, EVERY)
+        flags += ["--crash-in-save", damaged]
+
+    # ------------------------------------------------------------------------- the job, and its faults
+    cmd, env = torchrun(script, nproc, run_dir, flags)
+    trial.command = " ".join(cmd)
+    watch = Watch(run_dir)
+    proc = start(cmd, env, log=f"{run_dir}.log")
+    fault = None  # (time, step) of a signal sent
+    if kind in SIGNALS:  # a stopped rpc trainer is dropped by design (the digest then differs): stop the server
+        victims = [0] if strategy == "rpc" and kind == "sigstop" else range(nproc)
+        fault = signal_at_step(proc, watch, rng, SIGNALS[kind], victims, rng.randint(1, STEPS - 3), 0,
+                               ref.step_s, deadline)
+    elif kind == "two-faults":  # the second: a SIGKILL at a step drawn from those the restart has left
+        restart = watch.first(proc, deadline, "start", 1)
+        if restart is not None:
+            resumed = restart["resumed_from_step"] or 0
+            fault = signal_at_step(proc, watch, rng, signal.SIGKILL, range(nproc),
+                                   rng.randint(resumed + 1, STEPS - 3), 1, ref.step_s, deadline)
+    elif kind == "transient-read":  # readable again once the relaunch has chosen where to resume
+        if watch.first(proc, deadline, "start", 0) is not None:
+            place = put_back(hidden, original)
+    elif kind == "async-in-flight":
+        fault = kill_in_flight(proc, rng, run_dir, range(nproc), rng.randrange(EVERY, STEPS, EVERY), deadline)
+        if fault and watch.first(proc, deadline, "start", 1) is not None:  # had it committed when the restart looked?
+            marker = run_dir / "ckpt" / step_name(fault[1]) / ".metadata"
+            committed_at = marker.stat().st_mtime if marker.exists() else None
+    code, output, trial.hung = finish(proc, deadline)
+    ev = watch.poll()
+
+    # ------------------------------------------------------------------------- what happened
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
-    ev = events(run_dir)
-    loads = [e["step"] for e in ev if e["event"] == "load" and e["rank"] == 0]
-    result["fired"] = damaged is not None or any(e["event"] == "start" and e["restarts"] > 0 for e in ev)
-    result["recovered"] = code == 0 and bool(summary)
-    result["digest_equal"] = summary.get("param_digest") == reference["digest"]
-    result["bad_loads"] = int(damaged in loads)
-    starts = sorted(e["time"] for e in ev if e["event"] == "start" and e["restarts"] > 0)
-    if fault_at is None and starts:  # an injected crash: its moment is the last step before the restart
-        before = [e["time"] for e in ev if e["event"] == "step" and e["time"] < starts[0]]
-        fault_at = max(before) if before else None
-    after = [e["time"] for e in ev if e["event"] == "step" and fault_at and e["time"] > fault_at
-             and starts and e["time"] > starts[-1]]
-    result["recovery_s"] = min(after) - fault_at if after and fault_at else None
-    if not (result["recovered"] and result["digest_equal"] and not result["bad_loads"]):
-        result["output_tail"] = output[-3000:]
-    return result
+    trial.exit, trial.restarts, trial.recovered = code, summary.get("restarts"), bool(summary)
+    trial.digest_equal = summary.get("param_digest") == ref.digest
+    trial.problems += ["hung"] if trial.hung else problems(run_dir, code, output, trial.expected_restarts)
+    resumed = [e["resumed_from_step"] for e in ev if e["rank"] == 0 and e["event"] == "start"]
+    trial.bad_loads = sum(damaged is not None and step == damaged for step in resumed)
+    injected = "injected crash" in output
+    if kind in SIGNALS:
+        trial.fired = fault is not None
+    elif kind == "two-faults":
+        trial.fired = injected and fault is not None
+    elif kind == "damage-newest":
+        trial.fired = True  # damaged before the relaunch
+    elif kind == "transient-read":
+        trial.fired, trial.kept = place is not None, intact(place, original)
+    elif kind == "async-in-flight":  # the kill came after the save began, before its save event and its commit
+        saved = [e for e in ev if e["rank"] == 0 and e["event"] == "save" and e["attempt"] == 0
+                 and fault and e["step"] == fault[1] and e["time"] < fault[0]]
+        trial.in_flight = bool(fault and not saved and (committed_at is None or committed_at > fault[0]))
+        trial.fired = trial.in_flight
+    else:
+        trial.fired = injected
+    trial.fault_step = fault[1] if fault else damaged if kind == "crash-in-save" else crashed
+    trained = [e["time"] for e in ev if e["attempt"] == 0 and e["event"] in ("step", "save")]
+    fault_at = fault[0] if fault else max(trained, default=None)  # an injected crash: attempt 0's last step or save
+    last = [e["time"] for e in ev if e["rank"] == 0 and e["event"] == "step" and e["attempt"] == trial.expected_restarts]
+    if trial.expected_restarts and fault_at and last:
+        trial.recovery_s = min(last) - fault_at
+    restart = [e["time"] for e in ev if e["rank"] == 0 and e["event"] == "start" and e["attempt"] == 1]
+    if kind == "sigstop" and fault and restart:
+        trial.detect_s = restart[0] - fault[0]
+    trial.passed = (trial.fired and trial.recovered and trial.digest_equal and not trial.bad_loads
+                    and trial.kept is not False and not trial.problems)
+    if not trial.passed:
+        trial.output_tail = output[-3000:]
+    return trial
+
+
+def reference(strategy, nproc, out):
+    """The uninterrupted job that the trials of `strategy` with `nproc` processes are compared with."""
+    script, extra = JOBS[strategy]
+    run_dir = out / f"reference-{strategy}-{nproc}"
+    launched = time.time()
+    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra]), log=f"{run_dir}.log")
+    code, output, hung = finish(proc, launched + 600)
+    wrong = ["no end after 600 s"] if hung else problems(run_dir, code, output, restarts=0)
+    if wrong:  # every trial is compared with it: a reference that restarted or crashed proves nothing
+        raise SystemExit(f"chaos: the reference {strategy} job ({nproc} processes) failed: {'; '.join(wrong)}\n"
+                         f"{output[-3000:]}")
+    step_s = statistics.median(e["step_s"] for e in events(run_dir) if e["event"] == "step" and e["rank"] == 0)
+    digest = json.loads((run_dir / "summary.json").read_text())["param_digest"]
+    return Reference(digest, step_s, time.time() - launched)
+
+
+# ----------------------------------------------------------------------------- the plan and the table
+def drawn_plan(kinds, strategies, rng):
+    """(strategy, kind) per trial, without end: first every kind once, in a seeded order, each on the
+    applicable strategy with the fewest trials so far; then drawn at random. A trial's draw never
+    depends on how many trials follow it."""
+    pairs = [(k, [s for s in strategies if applies(k, s)]) for k in kinds]
+    pairs = [(k, ss) for k, ss in pairs if ss]
+    used = {s: 0 for s in strategies}
+    for kind, choices in rng.sample(pairs, len(pairs)):
+        strategy = min(choices, key=lambda s: (used[s], rng.random()))
+        used[strategy] += 1
+        yield strategy, kind
+    while True:
+        strategy = rng.choice(strategies)
+        yield strategy, rng.choice([k for k, ss in pairs if strategy in ss])
+
+
+def table(results, kinds):
+    def median_s(values):
+        values = [v for v in values if v is not None]
+        return f"{statistics.median(values):.1f} s" if values else "n/a"
+
+    rows = []
+    for kind in kinds:
+        rs = [r for r in results if r.kind == kind]
+        if rs:
+            rows.append([kind, len(rs), sum(r.fired for r in rs), sum(r.recovered for r in rs),
+                         sum(r.restarts == r.expected_restarts for r in rs), sum(r.digest_equal for r in rs),
+                         sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median_s(r.recovery_s for r in rs),
+                         median_s(r.detect_s for r in rs) if kind == "sigstop" else ""])
+    return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts as expected", "digest == reference",
+                                   "damaged loaded", "hangs", "median recovery", "sigstop detection"])
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     p = Parser(prog="bash run.sh chaos", description=__doc__.split("\n")[0])
-    p.add_argument("--trials", type=int, default=4, help="jobs with faults")
+    p.add_argument("--trials", type=int, default=len(KINDS), help="jobs with faults; the first ones take every kind once")
     p.add_argument("--seed", type=int, default=0, help="reproduces the series of trials")
-    p.add_argument("--strategies", default="ddp,fsdp,fsdp-async,rpc", help="from: " + ", ".join(JOBS))
+    p.add_argument("--strategies", default=",".join(JOBS), help="from: " + ", ".join(JOBS))
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, from: " + ", ".join(KINDS))
+    p.add_argument("--plan", default="", help="KIND:STRATEGY,...: exactly these trials, instead of --trials drawn ones")
+    p.add_argument("--ranks", type=int, default=2, help="processes of a data-parallel job (sigstop: at least 2; "
+                                                        "rpc: a server and at least 2 trainers)")
+    p.add_argument("--jobs", type=int, default=1, help="trials run at once (a sigstop trial mostly waits)")
     p.add_argument("--out", default="runs/chaos", help="folder for the jobs and results.json")
     args = p.parse_args(argv)
     strategies, kinds = args.strategies.split(","), args.kinds.split(",")
-    bad = [s for s in strategies if s not in JOBS] + [k for k in kinds if k not in KINDS]
-    if bad or args.trials < 1:
-        p.error(f"unknown: {', '.join(bad)}" if bad else "--trials must be >= 1")
-    out, rng, started = Path(args.out).resolve(), random.Random(args.seed), time.time()
+    planned = [tuple(reversed(e.split(":", 1))) for e in args.plan.split(",")] if args.plan else []
+    bad = [s for s in strategies + [s for s, _ in planned] if s not in JOBS]
+    bad += [k for k in kinds + [k for _, k in planned] if k not in KINDS]
+    bad += [f"{k}:{s}" for s, k in planned if s in JOBS and k in KINDS and not applies(k, s)]
+    if bad:
+        p.error(f"unknown or inapplicable: {', '.join(bad)}")
+    if args.trials < 1 or args.jobs < 1 or args.ranks < 1 or BATCH % args.ranks:
+        p.error(f"--trials and --jobs must be >= 1, --ranks must divide the batch of {BATCH}")
+    if not planned:
+        drawn = drawn_plan(kinds, strategies, random.Random(args.seed))
+        planned = [next(drawn) for _ in range(args.trials)]
+    out, started = Path(args.out).resolve(), time.time()
     subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)
 
     def log(msg):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    plan = []
-    for t in range(args.trials):
-        strategy = rng.choice(strategies)
-        choices = [k for k in kinds if k != "async-in-flight" or strategy == "fsdp-async"] or kinds
-        plan.append((t, strategy, rng.choice(choices), random.Random(rng.random())))
-    references = {}
-    for strategy in sorted({s for _, s, _, _ in plan}):
-        script, nproc, extra = JOBS[strategy]
-        run_dir = out / f"reference-{strategy}"
-        log(f"reference {strategy} ...")
-        launched = time.time()
-        proc, _ = launch(script, nproc, run_dir, [*COMMON, *extra])
-        code, output, _ = finish(proc, launched + 600)
-        if code != 0:
-            raise SystemExit(f"chaos: the reference {strategy} job failed:\n{output[-3000:]}")
-        steps = [e["time"] for e in events(run_dir) if e["event"] == "step"]
-        references[strategy] = {"digest": json.loads((run_dir / "summary.json").read_text())["param_digest"],
-                                "train_s": max(steps) - min(steps), "total_s": time.time() - launched}
-    results = []
-    for t, strategy, kind, trial_rng in plan:
-        log(f"trial {t}: {strategy}, {kind} ...")
-        bound = 4 * references[strategy]["total_s"] + 60  # generous, but a hang cannot pass it
-        results.append(run_trial(t, strategy, kind, trial_rng, out, references[strategy], bound))
-        r = results[-1]
-        log(f"trial {t}: {'ok' if r['recovered'] and r['digest_equal'] and not r['bad_loads'] else 'FAILED'}"
-            f" (exit {r['exit']}, recovery {r['recovery_s'] and round(r['recovery_s'], 1)} s)")
-    (out / "results.json").write_text(json.dumps({"seed": args.seed, "trials": results}, indent=2) + "\n")
-    rows = []
-    for kind in kinds:
-        rs = [r for r in results if r["kind"] == kind]
-        if rs:
-            rec = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
-            rows.append([kind, len(rs), sum(r["fired"] for r in rs), sum(r["recovered"] for r in rs), sum(r["digest_equal"] for r in rs),
-                         sum(r["bad_loads"] for r in rs), sum(r["hung"] for r in rs),
-                         f"{statistics.median(rec):.1f} s" if rec else "n/a"])
-    print(f"chaos: {len(results)} trials, seed {args.seed}, strategies {args.strategies}")
-    print(tabulate(rows, headers=["fault", "jobs", "jobs hit", "recovered", "digest == reference", "damaged loaded",
-                                  "hangs", "median recovery"]))
-    failed = [r for r in results if not (r["recovered"] and r["digest_equal"] and not r["bad_loads"])]
+    needed = sorted({(s, processes(s, k, args.ranks)) for s, k in planned})
+    log(f"references: {', '.join(f'{s} ({n} processes)' for s, n in needed)} ...")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        references = dict(zip(needed, pool.map(lambda sn: reference(*sn, out), needed)))
+
+        def trial(t):
+            strategy, kind = planned[t]
+            log(f"trial {t}: {strategy}, {kind} ...")
+            r = run_trial(t, strategy, kind, random.Random(f"{args.seed}:{t}"), out,
+                          references[strategy, processes(strategy, kind, args.ranks)], args.ranks)
+            log(f"trial {t}: {strategy}, {kind}: {'ok' if r.passed else 'FAILED'} (fired {r.fired} at step "
+                f"{r.fault_step}, exit {r.exit}, restarts {r.restarts}, recovery "
+                f"{r.recovery_s and round(r.recovery_s, 1)} s)")
+            return r
+
+        results = list(pool.map(trial, range(len(planned))))
+    (out / "results.json").write_text(json.dumps({"seed": args.seed, "argv": argv,
+                                                  "trials": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
+    print(f"chaos: {len(results)} trials, seed {args.seed}, {time.time() - started:.0f} s")
+    print(table(results, KINDS))
+    failed = [r for r in results if not r.passed]
     for r in failed:
-        print(f"\nFAILED trial {r['trial']} ({r['strategy']}, {r['kind']}); reproduce with "
-              f"bash run.sh chaos --seed {args.seed} --trials {r['trial'] + 1}; its last command:\n{r['command']}\n"
-              f"{r.get('output_tail', '')}")
+        print(f"\nFAILED trial {r.trial} ({r.strategy}, {r.kind}): fired {r.fired}, {'; '.join(r.problems) or 'no problem'}"
+              f", digest {'==' if r.digest_equal else '!='} reference, damaged loaded {r.bad_loads}, kept {r.kept}."
+              f"\nReproduce: bash run.sh chaos {' '.join(argv)} (trial {r.trial}); its last command:\n{r.command}\n"
+              f"{r.output_tail}")
     return 1 if failed else 0
 
 

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
-from common.dist import free_port  # noqa: E402
+from common.launch import finish, problems, start, torchrun  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 STRATEGIES = {  # column -> (script, extra flags)
@@ -39,13 +38,6 @@ STRATEGIES = {  # column -> (script, extra flags)
     "rpc": ("rpc/ps.py", []),
 }
 SIZES = ["tiny", "small", "medium"]  # common.model.PRESETS; tiny -> medium spans 16x in parameters
-
-
-def torchrun_cmd(script, nproc, run_dir, flags, max_restarts=3):
-    """The launch run.sh does, with a free rendezvous port of its own."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-            str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
 
 
 def events(run_dir):
@@ -60,30 +52,18 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def finish(proc, deadline):
-    """Wait for a job started in its own session until the deadline; one still running then is hung:
-    kill its whole process group. Returns (exit code or None, output, hung)."""
-    try:
-        out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
-        return proc.returncode, out, False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out, True
-
-
-def run_job(name, script, nproc, run_dir, flags, log, timeout_s=900):
-    """Launch one job; returns what it wrote, plus the launch time. A job past timeout_s is an error."""
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    start = time.time()
-    proc = subprocess.Popen(torchrun_cmd(script, nproc, run_dir, flags), cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    code, output, hung = finish(proc, start + timeout_s)
-    log(f"  {name}: {'hung, killed' if hung else f'exit {code}'} in {time.time() - start:.0f} s")
-    if code != 0:
-        raise SystemExit(f"compare: {name} failed ({'no end after ' + str(timeout_s) + ' s' if hung else f'exit {code}'}):"
-                         f"\n{output[-3000:]}")
-    return {"launched": start, "summary": json.loads((Path(run_dir) / "summary.json").read_text()),
+def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900):
+    """Launch one job; returns what it wrote, plus the launch time. A job that does not exit 0 after
+    exactly `restarts` torchrun restarts (a clean run printing a Traceback included) is an error:
+    its figures would measure another run than the one named."""
+    start_time = time.time()
+    proc = start(*torchrun(script, nproc, run_dir, flags), log=f"{run_dir}.log")
+    code, output, hung = finish(proc, start_time + timeout_s)
+    log(f"  {name}: {'hung, killed' if hung else f'exit {code}'} in {time.time() - start_time:.0f} s")
+    wrong = [f"no end after {timeout_s} s"] if hung else problems(run_dir, code, output, restarts)
+    if wrong:
+        raise SystemExit(f"compare: {name} failed ({'; '.join(wrong)}):\n{output[-3000:]}")
+    return {"launched": start_time, "summary": json.loads((Path(run_dir) / "summary.json").read_text()),
             "events": events(run_dir), "run_dir": Path(run_dir)}
 
 
@@ -195,7 +175,7 @@ def main(argv=None):
                  "--log-every", 1000, "--preset", size, *extra]
         flags += ["--crash-at-step", crash_step] if crash else []
         log(f"running {name} ...")
-        return run_job(name, script, args.nproc, run_dir, flags, log)
+        return run_job(name, script, args.nproc, run_dir, flags, log, restarts=1 if crash else 0)
 
     results = {"main": {}, "growth": {}}
     for strategy in strategies:

@@ -3,7 +3,7 @@ import json
 import os
 import subprocess
 import sys
-import uuid
+import time
 from pathlib import Path
 
 import pytest
@@ -11,24 +11,27 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.dist import free_port  # noqa: E402
+from common import launch  # noqa: E402
 
 # A small, fast job: most of a test's time is process start-up (import torch), not training.
 SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "--heads", "2",
          "--seq-len", "16", "--batch-size", "12", "--log-every", "100"]
+# With dropout, a resume is bitwise only if each rank's saved RNG state is restored: crash tests use it.
+DROPOUT = ["--dropout", "0.1"]
 
 
-def torchrun(script, nproc, run_dir, *flags, max_restarts=3, timeout=240, check=True, nnodes=1, env=None):
-    """Run `script` under torchrun with its own free rendezvous port; returns the CompletedProcess.
+def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None):
+    """Run `script` under torchrun (common/launch.py: a free rendezvous port of its own, the restart-safe
+    environment); returns the CompletedProcess.
 
-    With check=True a non-zero exit fails the test and shows the job's output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-           f"--rdzv-id={uuid.uuid4().hex[:8]}", str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    With check=True the job must exit 0 after exactly `restarts` torchrun restarts (as its summary.json
+    counts them), and with restarts=0 print no Traceback: torchrun's restarts would otherwise hide a
+    crash behind the right digest. A test that injects a crash says how many restarts it causes."""
+    cmd, env = launch.torchrun(script, nproc, run_dir, flags, max_restarts=max_restarts, env=env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        wrong = launch.problems(run_dir, proc.returncode, proc.stdout + proc.stderr, restarts)
+        assert not wrong, f"{' '.join(cmd)}\n{'; '.join(wrong)}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
@@ -50,9 +53,9 @@ def metrics(run_dir, rank=0, event=None):
 
 @pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory):
-    """The run folder of the uninterrupted 2-rank DDP job that crash tests compare against."""
+    """The run folder of the uninterrupted 2-rank DDP job (with DROPOUT) that crash tests compare against."""
     run_dir = tmp_path_factory.mktemp("ddp-reference")
-    torchrun("ddp/train.py", 2, run_dir, *SMALL)
+    torchrun("ddp/train.py", 2, run_dir, *SMALL, *DROPOUT)
     return run_dir
 
 
@@ -63,3 +66,15 @@ def fsdp_four_ranks(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fsdp-4-ranks")
     torchrun("fsdp/train.py", 4, run_dir, *SMALL)
     return run_dir
+
+
+def wait_for_step(run_dir, step, proc, rank=0):
+    """Watch rank `rank`'s metrics until it has completed `step`; False if the job ended first (a fault
+    meant for that step then never fires, and the test must fail, not pass)."""
+    path = Path(run_dir) / f"metrics-rank{rank}.jsonl"
+    while proc.poll() is None:
+        if path.exists() and any(json.loads(line).get("step") == step and json.loads(line)["event"] == "step"
+                                 for line in path.read_text().splitlines() if line.endswith("}")):
+            return True
+        time.sleep(0.02)  # polling the file the job writes, not waiting for a guess
+    return False

@@ -4,14 +4,26 @@
 # crashed after step 25 and restarted by torchrun against one never crashed (digests must match).
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=10 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
-# OUT (default /tmp/devout) receives the log and both summary.json files.
+# OUT (default /tmp/devout) receives the log and both summary.json files. Exit 1 if any run failed,
+# restarted when it should not have (torchrun's restarts would hide a crash behind the right digest),
+# or resumed to another digest.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MAX_RESTARTS=${MAX_RESTARTS:-3}
 OUT=${OUT:-/tmp/devout}; mkdir -p "$OUT"
 BIG=${BIG:-1b}; BATCH=${BATCH:-8}; STEPS=${STEPS:-30}; SMALL=${SMALL:-small}
 R=/tmp/devruns; rm -rf $R; mkdir -p $R
 exec > >(tee "$OUT/log") 2>&1
 log() { echo "=== $* (t=${SECONDS}s)"; }
+failed=()
+# verify RUN_DIR EXIT_CODE RESTARTS: the run exited 0 after exactly RESTARTS torchrun restarts, and
+# printed no Traceback if none was expected (common.launch.problems, as the tests check every run).
+verify() {
+  local why
+  why=$(python3 -c "import sys; from common.launch import problems
+print('; '.join(problems(sys.argv[1], int(sys.argv[2]), open(sys.argv[1] + '.log').read(), int(sys.argv[3]))))" "$@")
+  if [ -n "$why" ]; then echo "FAILED $1: $why"; failed+=("$1: $why"); fi
+}
 
 log machine
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
@@ -33,7 +45,9 @@ for s in fsdp ddp; do
   extra=(); [ $s = fsdp ] && extra=(--async-save)
   log "$s 1 --preset $BIG"
   MAX_RESTARTS=0 timeout 240 bash run.sh $s 1 --preset $BIG --batch-size $BATCH --steps $STEPS \
-    --save-every $((STEPS / 2)) --log-every 5 --run-dir $R/$s-big "${extra[@]}" 2>&1 | grep -v Warning | tail -14
+    --save-every $((STEPS / 2)) --log-every 5 --run-dir $R/$s-big "${extra[@]}" > $R/$s-big.log 2>&1
+  verify $R/$s-big $? 0
+  grep -v Warning $R/$s-big.log | tail -14
   cp $R/$s-big/summary.json "$OUT/$s-$BIG-summary.json"
   grep '"save"' $R/$s-big/metrics-rank0.jsonl
   du -sh $R/$s-big/ckpt/*; rm -rf $R/$s-big/ckpt
@@ -43,14 +57,25 @@ done
 for s in fsdp ddp; do
   flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40); [ $s = fsdp ] && flags+=(--async-save)
   log "$s resume on $SMALL"
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref 2>&1 | grep -E "^done|Error" | tail -2
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-crash --crash-at-step 25 2>&1 | grep -E "injected|resuming|^done|Error" | tail -4
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref > $R/$s-ref.log 2>&1
+  verify $R/$s-ref $? 0
+  grep -E "^done|Error" $R/$s-ref.log | tail -2
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-crash --crash-at-step 25 > $R/$s-crash.log 2>&1
+  verify $R/$s-crash $? 1
+  grep -E "injected|resuming|^done|Error" $R/$s-crash.log | tail -4
   same() { python3 -c "import json,sys; a,b=(json.load(open(f'$R/$s-{n}/summary.json'))['param_digest'] for n in sys.argv[1:]); print('$s', *sys.argv[1:], 'digest equal' if a==b else 'DIGEST DIFFERS')" "$@"; }
   same ref crash
   if ! grep -q "$(python3 -c "import json; print(json.load(open('$R/$s-ref/summary.json'))['param_digest'])")" $R/$s-crash/summary.json; then
+    failed+=("$s: the resumed run's digest differs from the uninterrupted one")
     log "$s: a second uninterrupted run, to tell GPU nondeterminism from a resume bug"
-    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref2 2>&1 | grep -E "^done|Error" | tail -1
+    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref2 > $R/$s-ref2.log 2>&1
+    verify $R/$s-ref2 $? 0
     same ref ref2
   fi
 done
 log end
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "gpu check: every run clean or restarted exactly as its fault asked, every resume bitwise"

@@ -1,30 +1,35 @@
 """Several nodes on one machine: two torchrun agents meeting at one c10d rendezvous, as two nodes would;
 and the cluster launch files the README gives."""
-import os
 import re
 import shutil
 import subprocess
-import sys
+import time
 import uuid
 
 import yaml
 
 from common.dist import free_port
+from common.launch import finish, start, torchrun as torchrun_command
 from conftest import REPO, SMALL, metrics, summary, torchrun
 
 
-def two_nodes(script, nproc, run_dir, *flags, timeout=300):
-    """Start one torchrun agent per 'node' on this machine, same endpoint and id; wait for both."""
+def two_nodes(script, nproc, run_dir, *flags, restarts=0, timeout=300):
+    """Start one torchrun agent per 'node' on this machine, same endpoint and id; wait for both, and
+    check them as conftest.torchrun checks one node. Only the failing node's agent counts a restart (the
+    other one restarts its workers for the new membership, uncounted), so `restarts` is the count of
+    the rank that counted most; summary.json, written by rank 0, may come from either node."""
     endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}",
-         "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-         str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [a.communicate(timeout=timeout)[0] for a in agents]
-    for agent, out in zip(agents, outputs):
-        assert agent.returncode == 0, out[-6000:]
+    agents = [start(*torchrun_command(script, nproc, run_dir, flags, nnodes=2, endpoint=endpoint, rdzv_id=rdzv_id),
+                    log=f"{run_dir}-node{node}.log") for node in range(2)]
+    deadline = time.time() + timeout
+    ended = [finish(agent, deadline) for agent in agents]  # (exit code, output, hung) per node
+    outputs = [output for _, output, _ in ended]
+    for code, output, _ in ended:
+        assert code == 0, output[-6000:]
+    counted = max(e["restarts"] for rank in range(2 * nproc) for e in metrics(run_dir, rank, "start"))
+    assert counted == restarts, f"{counted} torchrun restarts, expected {restarts}"
+    if restarts == 0:
+        assert "Traceback" not in "".join(outputs), "".join(outputs)[-6000:]
     return outputs
 
 
@@ -33,7 +38,7 @@ def test_worker_killed_on_one_node_both_resume_then_one_node_resumes_alone(tmp_p
     run = tmp_path / "two-nodes"
     # c10d orders the nodes by their agents, so ranks 2-3 share a node: kill rank 3 there. Its agent
     # restarts its workers; the other node's agent sees the group change and restarts its own.
-    outputs = two_nodes("fsdp/train.py", 2, run, *SMALL, "--crash-at-step", 10, "--crash-rank", 3)
+    outputs = two_nodes("fsdp/train.py", 2, run, *SMALL, "--crash-at-step", 10, "--crash-rank", 3, restarts=1)
     assert "injected crash: rank 3 after step 10" in "".join(outputs)
     assert [e["step"] for r in range(4) for e in metrics(run, r, "load")] == [8, 8, 8, 8]
     assert summary(run)["world_size"] == 4
