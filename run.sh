@@ -3,29 +3,79 @@
 #
 #   bash run.sh ddp|fsdp|rpc NPROC [script flags]   train under torchrun, restarting failed workers
 #   bash run.sh test [pytest args]                  the test suite (CPU, gloo, real torchrun)
+#   bash run.sh compat [pytest args]                the FSDP + DCP + async-save tests on the oldest torch
+#                                                   requirements.txt claims (TORCH_VERSION=X.Y.Z: another)
 #   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
 #   bash run.sh chaos [--trials N] [--seed S]        random faults, each job checked against its reference
 #
-# Multi-node: NNODES, NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID; MAX_RESTARTS.
+# Multi-node: NNODES (N, or MIN:MAX), NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID;
+# MAX_RESTARTS.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 usage() {
   echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" \
-       " |  bash run.sh compare NPROC [flags]  |  bash run.sh chaos [flags]" >&2
+       " |  bash run.sh compat [pytest args]  |  bash run.sh compare NPROC [flags]  |  bash run.sh chaos [flags]" >&2
   exit 2
 }
 
-# The current interpreter if it has what requirements.txt lists, else a .venv made once for it.
-python_with_requirements() {
-  local check="import torch, numpy, tabulate, pytest, yaml; from torch.distributed.fsdp import fully_shard"
-  for py in .venv/bin/python "${PYTHON:-python3}"; do
-    if [ -x "$(command -v "$py")" ] && "$py" -c "$check" 2>/dev/null; then PY=$py; return; fi
+# Training imports torch (FSDP2's fully_shard, DCP's async staging) and numpy; the test, compare and
+# chaos modes also need tabulate, pytest and pyyaml. The import that shows each one is there:
+declare -A CHECK=(
+  [torch]="from torch.distributed.fsdp import fully_shard; from torch.distributed.checkpoint.staging import DefaultStager"
+  [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest" [pyyaml]="import yaml")
+TRAIN=(torch numpy)
+TEST=(torch numpy tabulate pytest pyyaml)
+
+# missing PYTHON PACKAGE...: prints the packages that PYTHON cannot import (all of them if it does not run).
+missing() {
+  local py=$1 pkg
+  shift
+  for pkg in "$@"; do
+    "$py" -c "${CHECK[$pkg]}" &>/dev/null || echo "$pkg"
   done
-  echo "run.sh: installing requirements.txt into .venv (first run only)" >&2
-  [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+}
+
+# python_with PACKAGE...: sets PY to .venv's python or the current one ($PYTHON, else python3) when it has
+# them all. Otherwise .venv, made once with --system-site-packages so that it reuses what the current
+# python has (an installed torch above all), gets only the missing ones, in requirements.txt's versions.
+python_with() {
+  local py need reqs
+  for py in .venv/bin/python "${PYTHON:-python3}"; do
+    if [ -z "$(missing "$py" "$@")" ]; then PY=$py; return; fi
+  done
+  if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv --system-site-packages .venv
+    # Made from a venv's python, .venv sees its base python's packages, not that venv's: a .pth adds them.
+    "${PYTHON:-python3}" -c 'import site, sys; sys.prefix != sys.base_prefix and print(*site.getsitepackages(), sep="\n")' \
+      > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/outer-venv.pth"
+  fi
+  need=$(missing .venv/bin/python "$@" | paste -sd ' ')
+  if [ -n "$need" ]; then
+    echo "run.sh: installing $need from requirements.txt into .venv (once)" >&2
+    mapfile -t reqs < <(for pkg in $need; do grep -iE "^$pkg([^a-z0-9_.-]|$)" requirements.txt; done)
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "${reqs[@]}"
+  fi
   PY=.venv/bin/python
+}
+
+# compat [PYTEST ARGS]: the FSDP + DCP + async-save tests (tests/test_fsdp.py, or PYTEST ARGS instead) on
+# another torch: TORCH_VERSION, else the oldest requirements.txt claims. It runs in a venv of its own,
+# made once per version (.venv-torch-VERSION; PyPI's build of torch for Linux x86_64 is a CUDA one:
+# about 5 GB installed).
+compat() {
+  local version=${TORCH_VERSION:-$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)}
+  [ -n "$version" ] || { echo "run.sh: no torch>=X.Y line in requirements.txt: set TORCH_VERSION" >&2; exit 2; }
+  local venv=.venv-torch-$version
+  if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, yaml" &>/dev/null; then
+    echo "run.sh: installing torch==$version and the rest of requirements.txt into $venv (once)" >&2
+    "${PYTHON:-python3}" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$version" \
+      -r <(grep -v '^torch' requirements.txt)
+  fi
+  [ $# -gt 0 ] || set -- tests/test_fsdp.py  # FSDP2 end to end: DCP save, async save, resume, reshard
+  echo "run.sh: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): pytest ${*@Q}" >&2
+  exec "$venv/bin/python" -m pytest "$@"
 }
 
 mode=${1:-}
@@ -34,20 +84,26 @@ case "$mode" in
   ddp) script=ddp/train.py ;;
   fsdp) script=fsdp/train.py ;;
   rpc) script=rpc/ps.py ;;
-  test) python_with_requirements; exec "$PY" -m pytest tests "$@" ;;
-  compare) python_with_requirements; exec "$PY" -m common.compare "$@" ;;
-  chaos) python_with_requirements; exec "$PY" -m common.chaos "$@" ;;
+  test) python_with "${TEST[@]}"; exec "$PY" -m pytest tests "$@" ;;
+  compat) compat "$@" ;;
+  compare) python_with "${TEST[@]}"; exec "$PY" -m common.compare "$@" ;;
+  chaos) python_with "${TEST[@]}"; exec "$PY" -m common.chaos "$@" ;;
   *) usage ;;
 esac
 
 nproc=${1:-}
 [[ $nproc =~ ^[1-9][0-9]*$ ]] || usage
 shift
-python_with_requirements
-nnodes=${NNODES:-1}
+nnodes=${NNODES:-1}  # N, or MIN:MAX for an elastic job
+if ! [[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
+  echo "run.sh: NNODES must be a number of nodes or MIN:MAX, got '$nnodes'" >&2
+  exit 2
+fi
+python_with "${TRAIN[@]}"
 
-# Check the flags once, here, before torchrun starts workers that would each fail and be retried.
-"$PY" -m common.config "$script" $((nproc * nnodes)) "$@"
+# Check the flags once, here, before torchrun starts workers that would each fail and be retried;
+# an elastic job is checked at its largest world size (MAX nodes).
+"$PY" -m common.config "$script" $((nproc * ${nnodes#*:})) "$@"
 
 # torchrun shares its rendezvous store with the workers by default; after a restart the new
 # process group can then read the failed attempt's addresses and fail to connect or hang

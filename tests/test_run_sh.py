@@ -1,0 +1,51 @@
+"""run.sh itself: it uses the machine's torch, installs only what a mode lacks, and checks elastic jobs."""
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_run_sh_uses_an_installed_torch_and_installs_only_what_a_mode_lacks(tmp_path):
+    # A python with torch and numpy but without the test packages: this interpreter, with pytest,
+    # tabulate and yaml made unimportable, in a copy of the project that has no .venv yet.
+    block = tmp_path / "block"
+    block.mkdir()
+    for module in ("pytest", "tabulate", "yaml"):
+        (block / f"{module}.py").write_text("raise ImportError('hidden by the test')\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    project = tmp_path / "project"
+    shutil.copytree(REPO, project, ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "__pycache__"))
+    env = {**os.environ, "PYTHON": str(python)}
+
+    def run_sh(*args):
+        return subprocess.run(["bash", str(project / "run.sh"), *map(str, args)], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    # Training needs only torch and numpy: that python runs the (here refused) job, nothing is installed.
+    proc = run_sh("ddp", 2, "--run-dir", tmp_path / "run", "--stepz", 10)
+    assert proc.returncode == 2 and "unrecognized arguments: --stepz" in proc.stderr
+    assert "installing" not in proc.stderr and not (project / ".venv").exists()
+
+    # The tests need pytest too: .venv is made over that python's packages, its torch is reused, not
+    # downloaded (the packages this python hides are in its site-packages, so nothing is installed here).
+    proc = run_sh("test", "tests/test_common.py", "--collect-only", "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "include-system-site-packages = true" in (project / ".venv" / "pyvenv.cfg").read_text()
+    assert not list((project / ".venv").glob("lib/python*/site-packages/torch"))
+    torch_file = subprocess.run([project / ".venv/bin/python", "-c", "import torch; print(torch.__file__)"],
+                                capture_output=True, text=True, check=True).stdout
+    assert not torch_file.startswith(str(project))
+
+
+def test_run_sh_checks_an_elastic_job_at_its_largest_world_size(tmp_path):
+    # NNODES=MIN:MAX: the flags are checked for MAX nodes (here 2 x 2 ranks), before torchrun starts.
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "fsdp", "2", "--run-dir", str(tmp_path), "--batch-size", "6"],
+                          cwd=REPO, env={**os.environ, "NNODES": "1:2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not split evenly over 4 ranks" in proc.stderr, proc.stderr
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "fsdp", "2"], cwd=REPO, env={**os.environ, "NNODES": "two"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == "run.sh: NNODES must be a number of nodes or MIN:MAX, got 'two'\n"
