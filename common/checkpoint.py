@@ -1,26 +1,31 @@
 """Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup,
-keep-last-K, RNG capture, and the parameter digest.
+keep-last-K, moving unreadable checkpoints aside, the run-folder lock, the settings check on
+resume, RNG capture, and the parameter digest.
 
 What a checkpoint contains, and how it is restored, stays in each script.
 
 Layout: <run-dir>/ckpt/step-NNNNNNNN.pt (one file, committed by its atomic rename) or
 <run-dir>/ckpt/step-NNNNNNNN/ (a DCP folder, committed once its `.metadata` exists, which DCP
-writes last). Anything else in ckpt/ (temp files, uncommitted folders) is never loaded.
+writes last). Anything else in ckpt/ (temp files, uncommitted folders, checkpoints moved aside
+as `step-NNNNNNNN*.unreadable-<time>`) is never loaded.
 """
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import torch
 
-from common.model import SHAPE_FIELDS
-
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
+FORMAT = 2  # what a checkpoint holds; a script refuses a format it does not know
 
 
 def step_name(step, suffix=""):
@@ -35,6 +40,24 @@ def fsync_dir(path):
         os.close(fd)
 
 
+class _WriteErrors:
+    """A file for `write` that remembers the OSError of a failed write, which torch.save reports only
+    as a RuntimeError about a position."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def atomic_write(path, write, before_commit=None):
     """Write a file through `write(f)` to a temp file in the same folder, fsync, rename, fsync the folder.
 
@@ -44,10 +67,18 @@ def atomic_write(path, write, before_commit=None):
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            out = _WriteErrors(f)
+            try:
+                write(out)
+            except Exception as e:
+                raise out.error or e  # the disk's own error (ENOSPC), not torch.save's "unexpected pos"
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk must not collect one temp file per attempt
+        tmp.unlink(missing_ok=True)
+        raise
     if before_commit:
         before_commit()
     os.replace(tmp, path)
@@ -84,39 +115,94 @@ def remove(path):
     shutil.rmtree(path, ignore_errors=True) if Path(path).is_dir() else Path(path).unlink(missing_ok=True)
 
 
-def prune(ckpt_dir, keep):
-    """Keep the newest `keep` committed checkpoints; drop uncommitted folders older than the newest
-    committed one (left by a crash; a newer one may still be being written by an async save).
-    Call on one rank only, after a commit."""
-    done = checkpoints(ckpt_dir)
-    for _, path in done[keep:]:
+def prune(ckpt_dir, keep, committed_step):
+    """After the commit of `committed_step`: keep it and the `keep - 1` committed checkpoints before
+    it, delete older ones, and drop uncommitted folders older than it (left by a crash; a newer one
+    may still be being written by an async save). Checkpoints newer than the one just committed are
+    never counted or deleted here. Call on one rank only."""
+    older = [path for step, path in checkpoints(ckpt_dir) if step < committed_step]
+    for path in older[max(keep - 1, 0):]:
         remove(path)
-    newest = done[0][0] if done else -1
     for step, path in checkpoints(ckpt_dir, committed=False):
-        if step < newest:
+        if step < committed_step:
             remove(path)
     for tmp in Path(ckpt_dir).glob(".step-*.tmp-*"):  # temp files of saves that died before their rename
         tmp.unlink(missing_ok=True)
 
 
-def shape_mismatch(saved_cfg, cfg):
-    """None, or a message naming the model-shape fields that differ between a checkpoint and this run."""
-    diff = [f"{k}={saved_cfg.get(k)} (this run: {getattr(cfg, k)})" for k in SHAPE_FIELDS
-            if saved_cfg.get(k) != getattr(cfg, k)]
-    return "checkpoint was made with " + ", ".join(diff) if diff else None
+def move_aside(path, why):
+    """Rename a committed checkpoint that did not load to a name the lookup ignores, so that a later
+    save never lands in a folder that looks committed and a person can still recover its bytes.
+    Call on one rank only. Returns the new path."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.replace(path, aside)
+    fsync_dir(path.parent)
+    print(f"moved {path.name} aside to {aside.name} ({why}); it is kept for inspection, never loaded", flush=True)
+    return aside
 
 
-def newest_shape_problem(ckpt_dir, cfg, read_config):
-    """A one-line problem if the newest readable checkpoint was made for another model shape, else None.
-    `read_config(path)` returns the config saved in a checkpoint; unreadable ones are skipped (the
-    resume falls back past them)."""
+def lock_run_dir(run_dir):
+    """Hold an exclusive lock on the run folder for the life of this process, or return None if
+    another job holds it. The OS drops a dead process's lock, so a crash never leaves it stale."""
+    f = open(Path(run_dir) / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def run_dir_holder(run_dir):
+    """None if no running job holds the run folder's lock, else who holds it (as it wrote in .lock)."""
+    if not (Path(run_dir) / ".lock").exists():
+        return None
+    lock = lock_run_dir(run_dir)
+    if lock is not None:
+        lock.close()
+        return None
+    return (Path(run_dir) / ".lock").read_text().strip() or "another process"
+
+
+def resume_problem(saved, cfg, shape_fields, sample_fields, allow_changes=False):
+    """Check a checkpoint's saved record (its `format` and `config`) against this run's config.
+
+    Returns (problem, changes): `problem` is a one-line reason to refuse the resume, or None;
+    `changes` lists the settings that differ ("lr 0.003 -> 0.01"). A change of `shape_fields` (the
+    model's weights would not fit) is always refused; a change of `sample_fields` (which samples a
+    step sees: seed, batch, data) unless `allow_changes`."""
+    if saved.get("format") != FORMAT:
+        return f"checkpoint format {saved.get('format')}, this script reads format {FORMAT}; use another --run-dir", []
+    old, new = saved["config"], dataclasses.asdict(cfg)
+    changed = [k for k in new if k != "run_dir" and k in old and old[k] != new[k]]
+    changes = [f"{k} {old[k]} -> {new[k]}" for k in changed]
+    shape = [k for k in changed if k in shape_fields]
+    if shape:
+        made_with = ", ".join(f"{k}={old[k]} (this run: {new[k]})" for k in shape)
+        return f"checkpoint was made with {made_with}; use another --run-dir", changes
+    samples = [k for k in changed if k in sample_fields]
+    if samples and not allow_changes:
+        made_with = ", ".join(f"{k}={old[k]} (this run: {new[k]})" for k in samples)
+        return (f"checkpoint was made with {made_with}, so the resumed job would train on other samples: "
+                "use another --run-dir, or --allow-changes if you mean it"), changes
+    return None, changes
+
+
+def newest_resume_problem(ckpt_dir, cfg, read_saved, shape_fields, sample_fields):
+    """The resume problem (see resume_problem) with the newest readable checkpoint, or None.
+    `read_saved(path)` returns a checkpoint's saved record; unreadable ones are skipped (the resume
+    falls back past them)."""
     for _, path in checkpoints(ckpt_dir):
         try:
-            saved = read_config(path)
+            saved = read_saved(path)
         except Exception:
             continue
-        mismatch = shape_mismatch(saved, cfg)
-        return mismatch and f"{path}: {mismatch}; use another --run-dir"
+        problem, _ = resume_problem(saved, cfg, shape_fields, sample_fields, cfg.allow_changes)
+        return problem and f"{path}: {problem}"
     return None
 
 
@@ -153,12 +239,21 @@ def param_digest(state_dict):
 
 def load_newest(ckpt_dir, load):
     """(step, path, obj) of the newest committed checkpoint that `load(path)` reads without error,
-    or (None, None, None). An unreadable one (truncated, corrupt) is reported and skipped; nothing
-    of it is applied, since `load` only reads."""
+    or (None, None, None). A read that fails is tried once more (the failure may be transient: a
+    network filesystem, memory); one that fails twice is skipped, and nothing of it is applied,
+    since `load` only reads. Once a checkpoint has loaded, the newer ones that did not are moved
+    aside, never deleted; if none loads, nothing is moved. Call on one rank only."""
+    unreadable = []
     for step, path in checkpoints(ckpt_dir):
-        try:
-            return step, path, load(path)
-        except Exception as e:  # any failure to read means: not this one
-            print(f"checkpoint {path} unreadable ({type(e).__name__}: {str(e)[:120]}): "
-                  "falling back to the previous one", flush=True)
+        for attempt in (1, 2):
+            try:
+                obj = load(path)
+            except Exception as e:  # any failure to read means: not this one, after a second try
+                print(f"checkpoint {path} unreadable ({type(e).__name__}: {str(e)[:120]})"
+                      + (": trying once more" if attempt == 1 else ": falling back to the previous one"), flush=True)
+                continue
+            for newer in unreadable:
+                move_aside(newer, "did not load")
+            return step, path, obj
+        unreadable.append(path)
     return None, None, None

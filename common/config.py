@@ -12,11 +12,14 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
 import tempfile
 import typing
+
+from common.checkpoint import run_dir_holder
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,13 +69,48 @@ def parse_config(cls, check=None, argv=None, prog=None):
     return cfg
 
 
+# The valid values of every numeric flag of the three scripts, by field name: (rule, test). Checked
+# before any worker starts; tests/test_common.py tries a value outside each range, for every field of
+# every script's Config, so a new numeric flag must be listed here. None is valid where it is the
+# default (an optional fault). NaN fails every rule.
+POSITIVE = ("must be > 0", lambda v: v > 0)
+NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
+FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
+ANY_INT = ("any integer", lambda v: True)
+RANGES = {
+    "steps": POSITIVE, "save_every": POSITIVE, "keep": POSITIVE, "seed": NON_NEGATIVE, "vocab": POSITIVE,
+    "seq_len": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE, "dropout": FRACTION,
+    "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": POSITIVE, "hang_timeout_s": POSITIVE,
+    "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE,
+    "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
+}
+CHOICES = {"device": ("auto", "cpu", "cuda")}
+
+
+def writable(folder, create=True):
+    """None if files can be created in `folder` (made if missing and `create`), else why not."""
+    try:
+        if create:
+            os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def common_problems(cfg, data_ranks):
     """Problems with the flags every script shares; `data_ranks` is how many ranks split the batch."""
     problems = []
-    for flag, value in (("steps", cfg.steps), ("save-every", cfg.save_every), ("keep", cfg.keep),
-                        ("batch-size", cfg.batch_size), ("dim", cfg.dim), ("heads", cfg.heads)):
-        if value <= 0:
-            problems.append(f"--{flag} must be > 0, got {value}")
+    for f in dataclasses.fields(cfg):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rule, ok = RANGES[f.name]
+            if not (math.isfinite(value) and ok(value)):
+                problems.append(f"{flag} {rule}, got {value}")
+        elif f.name in CHOICES and value not in CHOICES[f.name]:
+            problems.append(f"{flag} {value}: choose from {', '.join(CHOICES[f.name])}")
     if not problems and cfg.dim % cfg.heads:
         problems.append(f"--heads {cfg.heads} does not divide --dim {cfg.dim}")
     if not problems and cfg.batch_size % data_ranks:
@@ -83,26 +121,37 @@ def common_problems(cfg, data_ranks):
         problems.append(f"--data {cfg.data}: no such file")
     elif cfg.data and cfg.vocab != 256:
         problems.append(f"--data trains on bytes: it needs --vocab 256, got {cfg.vocab}")
+    elif cfg.data and os.path.getsize(cfg.data) < cfg.seq_len + 2:
+        problems.append(f"--data {cfg.data} has {os.path.getsize(cfg.data)} bytes, fewer than one sequence "
+                        f"(--seq-len {cfg.seq_len} + 2)")
     peak = os.environ.get("PEAK_TFLOPS", "")
     try:
-        if peak and not float(peak) > 0:
+        if peak and not (math.isfinite(float(peak)) and float(peak) > 0):
             raise ValueError
     except ValueError:
         problems.append(f"PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got {peak!r}")
-    try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=cfg.run_dir):
-            pass
-    except OSError as e:
-        problems.append(f"--run-dir {cfg.run_dir} is not writable ({e.strerror})")
+    for flag, folder, create in (("--run-dir", cfg.run_dir, True), ("--run-dir", os.path.join(cfg.run_dir, "ckpt"), True),
+                                 ("--export", os.path.dirname(os.path.abspath(getattr(cfg, "export", "") or ".")), False)):
+        why = writable(folder, create)
+        if why:
+            problems.append(f"{flag}: {folder} is not a writable folder ({why})")
+            break
     return problems
 
 
-def fail(message, prog=None):
-    """The same one-line, exit-2 error for problems found after parsing (for example in a checkpoint)."""
+def run_dir_problem(cfg):
+    """The preflight's check that no running job holds the run folder (rank 0 of a job locks it)."""
+    holder = run_dir_holder(cfg.run_dir)
+    return holder and (f"--run-dir {cfg.run_dir} is in use by another job ({holder} holds its .lock): "
+                       "wait for it to end, or use another --run-dir")
+
+
+def fail(message, prog=None, code=2):
+    """The same one-line error for problems found after parsing: exit 2 for bad input or unusable
+    checkpoints; 3 when a running job stops itself (a diverged loss, a save that failed)."""
     prog = prog or os.path.basename(sys.argv[0])
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def load_script(path):
@@ -119,4 +168,6 @@ if __name__ == "__main__":
     script, world = sys.argv[1], sys.argv[2]
     os.environ["WORLD_SIZE"] = world  # the checks that depend on it (global batch) see the planned size
     module = load_script(script)
-    parse_config(module.Config, module.check, sys.argv[3:], prog=script)
+    cfg = parse_config(module.Config, module.check, sys.argv[3:], prog=script)
+    if run_dir_problem(cfg):
+        fail(run_dir_problem(cfg), prog=script)

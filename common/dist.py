@@ -7,6 +7,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from common.config import fail
+
 
 def free_port():
     with socket.socket() as s:
@@ -30,6 +32,7 @@ def setup(device_choice="auto", timeout_s=300):
 
     Returns (rank, local_rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
     """
+    refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
@@ -43,6 +46,25 @@ def setup(device_choice="auto", timeout_s=300):
     if device_choice == "auto" and device.type == "cpu" and rank == 0:
         print(f"device: cpu with gloo ({torch.cuda.device_count()} GPUs for {local_world_size} local ranks)", flush=True)
     return rank, local_rank, world_size, device
+
+
+def refuse_unsafe_restarts():
+    """Stop at once, in one line, when torchrun would restart the workers over its own shared
+    rendezvous store: after a restart the new process group can read the failed attempt's addresses
+    and fail to connect, or hang (pytorch issues 135712, 167288). The variable that prevents it is
+    read by torchrun itself, so a worker cannot set it; it can only refuse to start without it."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise SystemExit(2)
+        fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
+             "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
+
+
+def set_collective_timeout(seconds, group=None):
+    """The timeout of the later collectives of `group` (default: the world), on gloo and NCCL alike."""
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # the name before torch 2.12
+    setter(datetime.timedelta(seconds=seconds), group)
 
 
 def teardown():

@@ -33,6 +33,28 @@ def memory(device):
     return {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def reset_peak(device):
+    """Start a new peak-memory window; returns the bytes in use now (the window's baseline). On CPU,
+    Linux's peak RSS (VmHWM) restarts from the current RSS when "5" is written to clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_since_reset(device):
+    """Peak bytes since the last reset_peak: the CUDA allocator's, or the process's RSS on CPU."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _proc_status_bytes("VmHWM")
+
+
+def _proc_status_bytes(field):
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
 # Dense bf16 peak of one GPU, from the vendors' datasheets (FLOP/s), by a part of the name torch
 # reports; the first match wins. PEAK_TFLOPS in the environment overrides it, for any other device.
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))

@@ -2,19 +2,22 @@
 
     bash run.sh ddp 4                                  # torchrun, 4 ranks, restarts on failure
     bash run.sh ddp 2 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
-    torchrun --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint localhost:0 ddp/train.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (see run.sh)
     python ddp/train.py                                # one process, no torchrun
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
-optimizer, LR schedule, step, config and every rank's RNG state into one file, atomically;
-every rank resumes from the newest file that loads. Data is indexed by step, so a crashed and
-restarted job ends with exactly the weights of one that never crashed.
+optimizer, step, config and every rank's RNG state into one file, atomically; every rank resumes
+from the newest file that loads. Data and learning rate are functions of the step, so a crashed
+and restarted job ends with exactly the weights of one that never crashed. A loss that is not
+finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
 """
 import dataclasses
 import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -28,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, newest_shape_problem,
-                               param_digest, prune, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
+                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, seed_rng,
+                               set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, print0, restarts, setup, teardown
-from common.model import Transformer, model_config, num_params
+from common.dist import crash, first_attempt, print0, restarts, set_collective_timeout, setup, teardown
+from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import CommTimer, Monitor, device_name, memory, mfu, state_bytes
 
 
@@ -63,18 +67,27 @@ class Config:
     weight_decay: float = 0.1  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     log_every: int = 10  # print a log line every N steps
-    timeout_s: int = 300  # collective timeout: a hung peer fails the job instead of stalling it
+    timeout_s: int = 300  # collective timeout while starting, loading and saving: a hung peer fails the job
+    hang_timeout_s: float = 15.0  # from step 5 on, a collective that waits longer than this (or 20 steps, if longer) fails
     bf16: bool = True  # on CUDA: autocast the forward to bf16; weights, gradients and their all-reduce stay fp32 (CPU: fp32)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
+    nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
+    allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+
+
+PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart
+# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
+SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
 
 def check(cfg):
     problems = common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    shape = newest_shape_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
-                                 lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True)["config"])
-    return problems + [shape] if shape else problems
+    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
+                                   lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
+                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+    return problems + [resume] if resume else problems
 
 
 def lr_at(cfg, step):
@@ -91,6 +104,10 @@ def main(cfg):
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
+        # prune and overwrite this one's checkpoints.
+        if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+            fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
@@ -103,7 +120,6 @@ def main(cfg):
         # --------------------------------------------------------------------- model and optimizer
         model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
         bf16 = cfg.bf16 and device.type == "cuda"
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute")
@@ -120,11 +136,13 @@ def main(cfg):
             t0 = time.perf_counter()
             if state is None:
                 state = torch.load(chosen[0], map_location="cpu", weights_only=True)
-            if shape_mismatch(state["config"], cfg):
-                fail(f"{chosen[0]}: {shape_mismatch(state['config'], cfg)}; use another --run-dir")
+            problem, changes = resume_problem(state, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            if problem:
+                fail(f"{chosen[0]}: {problem}")
+            if changes:
+                print0(f"resuming with changed settings: {', '.join(changes)}")
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
             step = resumed_from = state["step"]
             if state["world_size"] == world:
                 set_rng_state(state["rng"][rank])
@@ -151,55 +169,85 @@ def main(cfg):
         comm = CommTimer()
         ddp_model.register_comm_hook(None, comm.hook)
 
+        def save(step):
+            """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename;
+            the barrier keeps every rank from running ahead of an unfinished save."""
+            t0 = time.perf_counter()
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
+            nbytes = 0
+            if rank == 0:
+                die_mid_save = None
+                if cfg.crash_in_save == step and first_attempt():
+                    die_mid_save = lambda: crash(f"rank 0 while saving step {step}")  # noqa: E731
+                try:
+                    nbytes = atomic_save({
+                        "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step, "world_size": world, "rng": rngs, "config": dataclasses.asdict(cfg),
+                    }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
+                except OSError as e:  # a full disk: the previous checkpoints stay as they are
+                    fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
+                         code=3)
+                prune(ckpt_dir, cfg.keep, step)
+            dist.barrier()
+            save_s = time.perf_counter() - t0
+            monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
+            print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+
+        # A SIGTERM (a preemption: Slurm's --signal, a Kubernetes pod's termination, torchrun's agent
+        # shutting down) is noted here and acted on by every rank at the end of the current step.
+        preempted = []
+        signal.signal(signal.SIGTERM, lambda *_: preempted.append(time.time()))
+
         # --------------------------------------------------------------------- training loop
-        loss_sum, step_times = torch.zeros((), device=device), []
+        step_times = []
+        hang_s = cfg.timeout_s  # until the first steps are measured
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss = ddp_model(inputs, targets)
+            if cfg.nan_at_step == step + 1:
+                loss = loss * float("nan")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = scheduler.get_last_lr()[0]
+            lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
-            scheduler.step()
             step += 1
-            loss_sum.copy_(loss.detach())
-            dist.all_reduce(loss_sum)  # the logged loss is the mean over all ranks
-            mean_loss = loss_sum.item() / world
+            stats = torch.stack([loss.detach().float(), torch.tensor(float(bool(preempted)), device=device)])
+            dist.all_reduce(stats)  # the loss summed over ranks, and whether any rank was told to stop
+            mean_loss, stop = stats[0].item() / world, stats[1].item() > 0
+            if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
+                fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
+                     "steps are kept", code=3)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
                          mfu=mfu(flops_per_step, dt, device))
 
+            if len(step_times) == 5:  # past the slow first steps: a peer that stops answering is hung
+                hang_s = min(cfg.timeout_s, max(cfg.hang_timeout_s, 20 * statistics.median(step_times)))
+                set_collective_timeout(hang_s)
+                print0(f"collective timeout {hang_s:.0f} s from step {step} on ({cfg.timeout_s} s while saving)")
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
 
             # ----------------------------------------------------------------- checkpoint
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                t0 = time.perf_counter()
-                rngs = [None] * world
-                dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
-                nbytes = 0
-                if rank == 0:
-                    path = ckpt_dir / step_name(step, ".pt")
-                    die_mid_save = None
-                    if cfg.crash_in_save == step and first_attempt():
-                        die_mid_save = lambda: crash(f"rank 0 while saving step {step}")  # noqa: E731
-                    nbytes = atomic_save({
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "step": step, "world_size": world,
-                        "rng": rngs, "config": dataclasses.asdict(cfg),
-                    }, path, before_commit=die_mid_save)
-                    prune(ckpt_dir, cfg.keep)
-                dist.barrier()  # no rank runs ahead of an unfinished save
-                save_s = time.perf_counter() - t0
-                monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
-                print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+            if step % cfg.save_every == 0 or step == cfg.steps or stop:
+                set_collective_timeout(cfg.timeout_s)  # the other ranks wait while rank 0 writes
+                save(step)
+                set_collective_timeout(hang_s)
+            if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
+                monitor.event("preempted", step=step, signalled_at=preempted[0] if preempted else None)
+                print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
+                raise SystemExit(PREEMPTED)
 
         # --------------------------------------------------------------------- teardown
+        set_collective_timeout(cfg.timeout_s)
         if rank == 0:
             full_state = model.state_dict()
             summary = {

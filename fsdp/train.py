@@ -4,20 +4,24 @@ every rank, auto-resume at the same or another world size, and optional async sa
     bash run.sh fsdp 4                                 # torchrun, 4 ranks, restarts on failure
     bash run.sh fsdp 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
     bash run.sh fsdp 2 --steps 40 --save-every 10 --async-save         # saves overlap training
-    torchrun --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint localhost:0 fsdp/train.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint localhost:0 fsdp/train.py      # the variable makes restarts reliable (see run.sh)
     python fsdp/train.py --export model.pt             # one process; write the final weights as one file
 
 Each rank holds 1/world of the parameters, gradients and optimizer state (fully_shard per block,
 then the root). A checkpoint is a folder ckpt/step-NNNNNNNN/: every rank writes its own shards,
-rank 0 adds train.pt (step, schedule, config, every rank's RNG) first and DCP's `.metadata` last,
-which commits it. Resume takes the newest committed folder that loads on every rank, reshards it
-to the current world size, and continues with the same global batch.
+rank 0 adds train.pt (step, config, every rank's RNG) first and DCP's `.metadata` last, which
+commits it. Resume takes the newest committed folder that loads on every rank (each is tried twice),
+reshards it to the current world size, and continues with the same global batch. Newer folders
+that did not load are moved aside, never deleted. A loss that is not finite stops the job unsaved.
 """
 import dataclasses
+import datetime
 import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -34,16 +38,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.torch_version import TorchVersion
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, newest_shape_problem, param_digest, prune,
-                               remove, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
+                               newest_resume_problem, param_digest, prune, remove, resume_problem, rng_state, seed_rng,
+                               set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, print0, restarts, setup, teardown
-from common.model import Transformer, model_config, num_params
-from common.monitor import Monitor, device_name, memory, mfu, state_bytes
+from common.dist import crash, first_attempt, print0, restarts, set_collective_timeout, setup, teardown
+from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
+from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
 
 # ----------------------------------------------------------------------------- config
@@ -72,21 +78,35 @@ class Config:
     weight_decay: float = 0.1  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     log_every: int = 10  # print a log line every N steps
-    timeout_s: int = 300  # collective timeout: a hung peer fails the job instead of stalling it
+    timeout_s: int = 300  # collective timeout while starting, loading and saving: a hung peer fails the job
+    hang_timeout_s: float = 15.0  # from step 5 on, a collective that waits longer than this (or 20 steps, if longer) fails
     bf16: bool = True  # on CUDA: bf16 compute weights, fp32 gradient reduction and fp32 master weights (CPU: fp32)
     reshard_after_forward: bool = True  # free each block's gathered weights after forward; gather again for backward
+    cpu_offload: bool = False  # keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's CPUOffloadPolicy)
     async_save: bool = False  # write checkpoints in a background thread while the next steps train
+    save_threads: int = 8  # threads writing each rank's shards (on an H200's disk: 1 -> 0.58, 8 -> 0.88 of a raw write)
     export: str = ""  # at the end, torch.save the full model state dict to this file (for common.model.Transformer)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
+    nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
+    allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+
+
+# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
+SAMPLE_FIELDS = ("seed", "batch_size", "data")
+# torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
+# copy); 2.13 and later reuse one, and its buffers, for the whole run.
+REUSE_STAGER = TorchVersion(torch.__version__) >= "2.13"
+PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart
 
 
 def check(cfg):
     problems = common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    shape = newest_shape_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
-                                 lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True)["config"])
-    return problems + [shape] if shape else problems
+    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
+                                   lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
+                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+    return problems + [resume] if resume else problems
 
 
 def lr_at(cfg, step):
@@ -104,6 +124,82 @@ def agree(ok, device):
     return bool(flag.item())
 
 
+def scatter_from_rank0(model, full_state):
+    """Give every rank its shard of each parameter from the full state dict that rank 0 holds: FSDP
+    shards dim 0 as torch.chunk does, so rank r gets rows [r*n, (r+1)*n) with n = ceil(rows / world).
+    Rank 0 pads each tensor to world*n rows so that the chunks are equal, as scatter needs; the other
+    ranks receive only a shard's bytes, never a full tensor."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name, param in model.state_dict().items():  # DTensors: the local shard and the global shape
+        local, rows = param.to_local(), -(-param.shape[0] // world)
+        shard = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=local.device)
+        chunks = None
+        if rank == 0:
+            padded = torch.zeros((rows * world, *param.shape[1:]), dtype=param.dtype, device=local.device)
+            padded[:param.shape[0]] = full_state[name]
+            chunks = list(padded.chunk(world))
+        dist.scatter(shard, chunks, src=0)
+        with torch.no_grad():
+            local.copy_(shard[:local.shape[0]])
+
+
+def load_checkpoint(path, model, optimizer, device):
+    """Load the checkpoint folder `path` into the live model and optimizer on every rank.
+
+    Returns (saved, error): saved is train.pt's record if every rank loaded the whole checkpoint,
+    else None, with this rank's error if it had one. A failed DCP load may have written part of the
+    live tensors; the load that succeeds later overwrites them all."""
+    saved, error = None, None
+    try:
+        saved = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        error = e
+    if agree(error is None, device):
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
+            error = e
+        if agree(error is None, device):
+            return saved, None
+    return None, error
+
+
+def resume(candidates, model, optimizer, device, rank, monitor):
+    """Load the newest of `candidates` that loads on every rank. Each is tried twice (a read can fail
+    for a moment on a network filesystem, or run out of memory), then the ranks move on together.
+    Returns (path, saved record, seconds to load, the candidates that did not load)."""
+    unreadable = []
+    for path in candidates:
+        for attempt in (1, 2):
+            t0 = time.perf_counter()
+            saved, error = load_checkpoint(path, model, optimizer, device)
+            if saved is not None:
+                return path, saved, time.perf_counter() - t0, unreadable
+            if error is not None:
+                reason = str(error).strip().splitlines()[-1][:160]  # DCP's message ends with the root cause
+                print(f"rank {rank}: checkpoint {path} unreadable ({type(error).__name__}: {reason})", flush=True)
+            print0(f"checkpoint {path.name} did not load on every rank: "
+                   + ("trying once more" if attempt == 1 else "falling back to the previous one"))
+        monitor.event("fallback", path=str(path), error=repr(error)[:300] if error else None)
+        unreadable.append(path)
+    return None, None, None, unreadable
+
+
+@dataclass
+class Save:
+    """A checkpoint being written: when it started, how long it blocked the loop, and for an async
+    save the future of its write and the stager that holds its staged copy."""
+    step: int
+    path: Path
+    t0: float
+    blocking_s: float = 0.0
+    done_at: Optional[float] = None
+    future: Optional[object] = None
+    stager: Optional[DefaultStager] = None
+
+
 class TornWriter(dcp.FileSystemWriter):
     """--crash-in-save: DCP calls finish() on rank 0 once every rank's shards are on disk, to write
     `.metadata` (the commit). This one dies there instead, leaving a torn, uncommitted folder."""
@@ -118,167 +214,210 @@ def main(cfg):
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
+        # prune and overwrite this one's checkpoints.
+        if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+            fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
         crash_rank = cfg.crash_rank % world
-        mesh = init_device_mesh(device.type, (world,))
+        # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
+        # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
         # Async saves run their collectives in a background thread: a group of their own (gloo, as
         # DCP needs a CPU backend for it) keeps them from interleaving with the training collectives.
-        save_group = dist.new_group(backend="gloo") if cfg.async_save else None
+        save_group = None
+        if cfg.async_save:
+            save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
         tokens_per_step = cfg.batch_size * cfg.seq_len
 
         # --------------------------------------------------------------------- model and optimizer
-        # Every rank builds the full model from the seed, then keeps only its shard of each tensor.
-        model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
+        # The model is built on the meta device (shapes, no memory), sharded, and only then given
+        # memory: each rank allocates its own shards, never the whole model. Rank 0 builds the seeded
+        # weights on the CPU and sends every rank its shards, so they are exactly the weights
+        # `Transformer(seed)` has everywhere else (DDP's included).
+        with torch.device("meta"):
+            model = Transformer(model_config(cfg), seed=cfg.seed)
         bf16 = cfg.bf16 and device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        # With --cpu-offload the shards, their gradients and the optimizer state live in CPU memory, and
+        # each block's parameters visit the device only for its forward and backward.
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, head
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
+        baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+        scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed).state_dict() if rank == 0 else None)
+        # Peak memory of construction above what the process held before it: shards, plus on rank 0 the full CPU copy.
+        monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
+                      full_model_bytes=4 * num_params(model))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute,"
                f" sharded over {world} ranks")
 
         # --------------------------------------------------------------------- resume
-        # Rank 0 lists the committed checkpoints, newest first, for everyone. All ranks try each in
-        # turn and move on together when any rank fails, so they never load different steps. A failed
-        # DCP load may have written part of the live tensors; the load that succeeds overwrites them all.
+        # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
+        # turn and move on together, so they never load different steps.
         candidates = [[path for _, path in checkpoints(ckpt_dir)] if rank == 0 else None]
         dist.broadcast_object_list(candidates, src=0)
-        step, resumed_from, train = 0, None, None
-        for path in candidates[0]:
-            t0, error = time.perf_counter(), None
-            try:
-                train = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
-            except Exception as e:
-                error = e
-            if agree(error is None, device):
-                if shape_mismatch(train["config"], cfg):
-                    fail(f"{path}: {shape_mismatch(train['config'], cfg)}; use another --run-dir")
-                try:
-                    model_state, optim_state = get_state_dict(model, optimizer)
-                    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
-                    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-                except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
-                    error = e
-                if agree(error is None, device):
-                    break
-            if error is not None:
-                reason = str(error).strip().splitlines()[-1][:160]  # DCP's message ends with the root cause
-                print(f"rank {rank}: checkpoint {path} unreadable ({type(error).__name__}: {reason})", flush=True)
-            print0(f"checkpoint {path.name} did not load on every rank: falling back to the previous one")
-            monitor.event("fallback", path=str(path), error=repr(error)[:300] if error else None)
-            train = None
-        if candidates[0] and train is None:
-            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
-        if train is not None:
-            scheduler.load_state_dict(train["scheduler"])
-            step = resumed_from = train["step"]
-            if train["world_size"] == world:
-                set_rng_state(train["rng"][rank])
+        path, saved, load_s, unreadable = resume(candidates[0], model, optimizer, device, rank, monitor)
+        step, resumed_from = 0, None
+        if candidates[0] and saved is None:  # never train fresh over checkpoints that exist but do not load
+            fail(f"no checkpoint in {ckpt_dir} loads (see above); move the damaged ones away or use another --run-dir")
+        if saved is not None:
+            problem, changes = resume_problem(saved, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            if problem:
+                fail(f"{path}: {problem}")
+            if changes:
+                print0(f"resuming with changed settings: {', '.join(changes)}")
+            step = resumed_from = saved["step"]
+            if saved["world_size"] == world:
+                set_rng_state(saved["rng"][rank])
             else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
                 seed_rng(cfg.seed + step, rank)
-                print0(f"resharded from {train['world_size']} to {world} ranks")
-                monitor.event("reshard", step=step, from_world_size=train["world_size"], world_size=world)
-            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path))
+                print0(f"resharded from {saved['world_size']} to {world} ranks")
+                monitor.event("reshard", step=step, from_world_size=saved["world_size"], world_size=world)
+            monitor.event("load", step=step, load_s=load_s, path=str(path))
             print0(f"resuming from step {step}")
         else:
             seed_rng(cfg.seed, rank)
             print0("no checkpoint, starting fresh")
-        # Folders newer than the loaded step are torn saves or unreadable ones: the steps they hold will
-        # be trained and saved again, into fresh folders (a committed one is never overwritten in place).
+        # The steps of newer folders will be trained and saved again, into fresh folders (a committed
+        # one is never overwritten in place): move the unreadable ones aside, and remove torn saves.
         if rank == 0:
-            stale = [(p, "unreadable") for s, p in checkpoints(ckpt_dir) if s > step]
-            stale += [(p, "never committed") for _, p in checkpoints(ckpt_dir, committed=False)]
-            for p, why in stale:
+            for p in unreadable:
+                move_aside(p, "did not load on every rank")
+            for _, p in checkpoints(ckpt_dir, committed=False):
                 remove(p)
-                print(f"removed {p.name} ({why})", flush=True)
+                print(f"removed {p.name} (never committed)", flush=True)
         monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
-        def finish_save(save):
-            """Wait for a save to commit, then prune and report it (rank 0 counts the bytes on disk)."""
-            if save["future"] is not None:
-                save["future"].result()
-            nbytes = 0
-            if rank == 0:
-                nbytes = sum(f.stat().st_size for f in save["path"].iterdir())
-                prune(ckpt_dir, cfg.keep)
-            total_s = save.get("done_at", time.perf_counter()) - save["t0"]  # its callback may run after result()
-            monitor.event("save", step=save["step"], blocking_s=save["blocking_s"], total_s=total_s, bytes=nbytes)
-            print0(f"saved step {save['step']} ({nbytes / 2**20:.1f} MiB, blocking {save['blocking_s'] * 1000:.0f} ms,"
-                   f" total {total_s * 1000:.0f} ms)")
-
         # An async save first copies the shards into CPU buffers (staging), then writes those in a
-        # thread. One stager for the whole run keeps its buffers, a CPU copy of this rank's state, and
-        # copies into them again at each save (the previous save has committed by then). Pinned
-        # buffers (use_pinned_memory) should copy from a GPU faster; not yet tried on one here.
-        stager = None
+        # thread. Where the torch version allows, one stager for the whole run keeps its buffers, a CPU
+        # copy of this rank's state, and copies into them again at each save (the previous save has
+        # committed by then); elsewhere each save gets a fresh stager, closed once it has committed.
+        def new_stager():
+            return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                use_async_staging=False, use_non_blocking_copy=False))
+
+        stager = new_stager() if cfg.async_save and REUSE_STAGER else None
         if cfg.async_save:
-            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                  use_async_staging=False, use_non_blocking_copy=False))
+            print0("async save: " + ("one stager for the run, its buffers reused" if REUSE_STAGER else
+                                     f"a stager per save (torch {torch.__version__} cannot reuse one)"))
+
+        def save(step, asynchronous):
+            """Start the checkpoint of `step`: rank 0's train.pt first, then every rank's shards through
+            DCP, whose `.metadata` commits it. Returns the Save, still in flight if asynchronous."""
+            t0 = time.perf_counter()
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
+            path = ckpt_dir / step_name(step)
+            if rank == 0:  # written before any shard, so a committed folder always has it
+                path.mkdir(exist_ok=True)
+                atomic_save({"format": FORMAT, "step": step, "world_size": world,
+                             "config": dataclasses.asdict(cfg), "rng": rngs}, path / "train.pt")
+            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
+            torn = cfg.crash_in_save == step and first_attempt()
+            writer = (TornWriter if torn else dcp.FileSystemWriter)(path, thread_count=cfg.save_threads)
+            record = Save(step, path, t0)
+            if asynchronous:  # returns once the shards are copied; the write goes on in a thread
+                record.stager = stager or new_stager()
+                record.future = dcp.async_save(state, storage_writer=writer, process_group=save_group,
+                                               async_stager=record.stager)
+                record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
+                record.blocking_s = time.perf_counter() - t0
+                return record
+            try:  # returns once every rank's shards and the commit are on disk
+                dcp.save(state, storage_writer=writer)
+            except CheckpointException as e:  # a full disk: the folder stays uncommitted, never loaded
+                fail(f"saving step {step} failed ({str(e).strip().splitlines()[-1][:160]}): the checkpoints "
+                     "of earlier steps are kept", code=3)
+            record.done_at = time.perf_counter()
+            record.blocking_s = record.done_at - t0
+            return finish_save(record)
+
+        def finish_save(record):
+            """Wait for a save to commit, then make it durable, prune and report it."""
+            if record.future is not None:
+                record.future.result()
+                if record.stager is not stager:  # a stager of its own: its buffers are no longer needed
+                    record.stager.close()
+            nbytes = 0
+            if rank == 0:  # the commit reaches the disk before older checkpoints are deleted
+                fsync_dir(record.path)
+                fsync_dir(ckpt_dir)
+                nbytes = sum(f.stat().st_size for f in record.path.iterdir())
+                prune(ckpt_dir, cfg.keep, record.step)
+            total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
+            monitor.event("save", step=record.step, blocking_s=record.blocking_s, total_s=total_s, bytes=nbytes)
+            print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
+                   f" total {total_s * 1000:.0f} ms)")
+            return None
+
+        # A SIGTERM (a preemption: Slurm's --signal, a Kubernetes pod's termination, torchrun's agent
+        # shutting down) is noted here and acted on by every rank at the end of the current step.
+        preempted = []
+        signal.signal(signal.SIGTERM, lambda *_: preempted.append(time.time()))
 
         # --------------------------------------------------------------------- training loop
-        loss_sum, step_times, pending = torch.zeros((), device=device), [], None
+        step_times, pending = [], None
+        hang_s = cfg.timeout_s  # until the first steps are measured
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
             loss = model(inputs, targets)
+            if cfg.nan_at_step == step + 1:
+                loss = loss * float("nan")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # reduce-scatter: each rank ends with the mean gradient of its shard
             if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = scheduler.get_last_lr()[0]
+            lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
-            scheduler.step()
             step += 1
-            loss_sum.copy_(loss.detach())
-            dist.all_reduce(loss_sum)  # the logged loss is the mean over all ranks
-            mean_loss = loss_sum.item() / world
+            stats = torch.stack([loss.detach().float(), torch.tensor(float(bool(preempted)), device=device)])
+            dist.all_reduce(stats)  # the loss summed over ranks, and whether any rank was told to stop
+            mean_loss, stop = stats[0].item() / world, stats[1].item() > 0
+            if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
+                if pending:  # an earlier step's save, of finite weights: let it commit
+                    finish_save(pending)
+                fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
+                     "steps are kept", code=3)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
                          mfu=mfu(flops_per_step, dt, device))
 
+            if len(step_times) == 5:  # past the slow first steps: a peer that stops answering is hung
+                hang_s = min(cfg.timeout_s, max(cfg.hang_timeout_s, 20 * statistics.median(step_times)))
+                set_collective_timeout(hang_s)
+                print0(f"collective timeout {hang_s:.0f} s from step {step} on ({cfg.timeout_s} s while saving)")
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
 
             # ----------------------------------------------------------------- checkpoint
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                t0 = time.perf_counter()
+            if step % cfg.save_every == 0 or step == cfg.steps or stop:
+                set_collective_timeout(cfg.timeout_s)  # the other ranks may wait while rank 0 writes or prunes
                 if pending:  # one save in flight at a time: the previous one commits first
-                    finish_save(pending)
-                    pending = None
-                rngs = [None] * world
-                dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
-                path = ckpt_dir / step_name(step)
-                if rank == 0:  # written before any shard, so a committed folder always has it
-                    path.mkdir(exist_ok=True)
-                    atomic_save({"step": step, "world_size": world, "config": dataclasses.asdict(cfg),
-                                 "scheduler": scheduler.state_dict(), "rng": rngs}, path / "train.pt")
-                model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards, by name
-                torn = cfg.crash_in_save == step and first_attempt()
-                writer = (TornWriter if torn else dcp.FileSystemWriter)(path)
-                save = {"step": step, "path": path, "t0": t0, "future": None}
-                if cfg.async_save:  # returns once the shards are copied; the write goes on in a thread
-                    save["future"] = dcp.async_save({"model": model_state, "optimizer": optim_state},
-                                                    storage_writer=writer, process_group=save_group,
-                                                    async_stager=stager)
-                    save["future"].add_done_callback(lambda _, save=save: save.update(done_at=time.perf_counter()))
-                    save["blocking_s"] = time.perf_counter() - t0
-                    pending = save
-                else:  # returns once every rank's shards and the commit are on disk
-                    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=writer)
-                    save["done_at"] = time.perf_counter()
-                    save["blocking_s"] = save["done_at"] - t0
-                    finish_save(save)
+                    pending = finish_save(pending)
+                pending = save(step, asynchronous=cfg.async_save and not stop)
+                set_collective_timeout(hang_s)
+            if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
+                monitor.event("preempted", step=step, signalled_at=preempted[0] if preempted else None)
+                print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
+                raise SystemExit(PREEMPTED)
 
         # --------------------------------------------------------------------- teardown
+        set_collective_timeout(cfg.timeout_s)
         if pending:
             finish_save(pending)
         if stager:

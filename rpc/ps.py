@@ -13,7 +13,11 @@ the server averages the gradients in trainer order (so arrival order cannot chan
 steps, checkpoints, and answers every waiting trainer with the new weights. Trainers hold nothing
 that the server's version does not determine: after a crash torchrun restarts every process, the
 server resumes from its checkpoint and the trainers carry on from its version. A trainer that
-stops pushing is dropped after --straggler-timeout seconds and the others carry on without it.
+stops pushing (frozen, or gone without a crash torchrun sees) is dropped after --straggler-timeout
+seconds and the others carry on without its rows of the batch. No wait of the server's is
+unbounded: the job ends without a barrier over every process, so a lost trainer never holds the
+server (torchrun itself still waits for a frozen process to end). A loss that is not finite stops
+the job before it saves.
 """
 import dataclasses
 import gc
@@ -27,19 +31,20 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 
 import torch
 import torch.distributed.rpc as rpc
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, newest_shape_problem,
-                               param_digest, prune, rng_state, seed_rng, set_rng_state, shape_mismatch, step_name)
+from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
+                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, seed_rng,
+                               set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, pick_device, print0, restarts
-from common.model import Transformer, model_config, num_params
+from common.dist import crash, first_attempt, pick_device, print0, refuse_unsafe_restarts, restarts
+from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import Monitor, memory, mfu, state_bytes
 
 
@@ -69,12 +74,18 @@ class Config:
     weight_decay: float = 0.1  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     log_every: int = 10  # print a log line every N steps
-    timeout_s: int = 300  # RPC timeout: a hung server fails the trainers' calls instead of stalling them
-    straggler_timeout: float = 30.0  # seconds the server waits for a trainer's gradient before dropping it
+    timeout_s: int = 300  # RPC timeout: a hung server fails the trainers' calls; no gradient at all fails the server
+    straggler_timeout: float = 30.0  # seconds the server waits for a missing trainer before it goes on without it
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills or --drop-trainer-at-step drops (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: the server dies mid-write of step N's checkpoint
     drop_trainer_at_step: Optional[int] = None  # fault injection: trainer --crash-rank leaves silently at step N
+    nan_at_step: Optional[int] = None  # fault injection: the loss of update N is NaN, in every attempt (a diverged run)
+    allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+
+
+# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
+SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
 
 def check(cfg):
@@ -88,9 +99,10 @@ def check(cfg):
     if not 0 < cfg.straggler_timeout < cfg.timeout_s:
         problems.append(f"--straggler-timeout must be > 0 and below --timeout-s {cfg.timeout_s} (a trainer may "
                         f"wait that long for its reply), got {cfg.straggler_timeout}")
-    shape = newest_shape_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
-                                 lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True)["config"])
-    return problems + [shape] if shape else problems
+    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
+                                   lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
+                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+    return problems + [resume] if resume else problems
 
 
 def lr_at(cfg, step):
@@ -102,51 +114,73 @@ def lr_at(cfg, step):
 
 
 # ----------------------------------------------------------------------------- parameter server
+class Pushed(NamedTuple):
+    """A trainer's part of the current update, and where its answer goes."""
+    grads: list
+    loss: float
+    reply: torch.futures.Future
+
+
+class Reply(NamedTuple):
+    """What a trainer gets back from a pull or a push: the weights after `step` updates, or why it stops."""
+    step: int
+    weights: Optional[dict]
+    stop: Optional[str] = None  # set: the trainer stops (it was dropped, the server stopped, or is gone)
+
+
 class ParameterServer:
-    """The model, the optimizer, the version (completed updates) and the live trainers, behind one lock.
+    """The model, the optimizer, the version (completed updates) and the trainers, behind one lock.
 
-    push() runs on RPC threads, one call per trainer and version; wait_until_done() on the main
-    thread. Every read and write of the state happens under self.lock, and an update runs whole
-    under it: gradients in, optimizer step, checkpoint, replies out."""
+    push() runs on RPC threads and only records a gradient. The main thread, in wait_until_done(),
+    runs every update whole under the lock: gradients in, optimizer step, checkpoint, replies out.
+    So no push sees half an update, and a failure in one (a diverged loss, a failed save, an injected
+    crash) ends the process from its main thread."""
 
-    def __init__(self, model, optimizer, scheduler, cfg, monitor, trainers, version, live, after_update):
-        self.model, self.optimizer, self.scheduler, self.cfg, self.monitor = model, optimizer, scheduler, cfg, monitor
-        self.tokens_per_trainer = cfg.batch_size // trainers * cfg.seq_len
-        self.version, self.live = version, set(live)  # live: the trainer ranks an update waits for
+    def __init__(self, model, optimizer, cfg, monitor, trainers, version, lost, after_update):
+        self.model, self.optimizer, self.cfg, self.monitor = model, optimizer, cfg, monitor
+        self.rows_per_trainer = cfg.batch_size // trainers
+        self.tokens_per_trainer = self.rows_per_trainer * cfg.seq_len
+        self.lost = dict(lost)  # trainer rank -> the step it was dropped at; it stays dropped for the job
+        self.live = set(range(1, trainers + 1)) - self.lost.keys()  # the trainers an update waits for
+        self.version = version
         self.after_update = after_update  # after_update(step): fault injection and checkpoint, under the lock
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # wakes wait_until_done
-        self.pushed = {}  # trainer rank -> (gradients, loss, future of its reply) for the current version
+        self.changed = threading.Condition(self.lock)  # wakes the main thread
+        self.pushed = {}  # trainer rank -> Pushed, for the current version
+        self.left = set()  # trainers that have the last update's weights and said so
         self.version_started = self.waiting_since = time.monotonic()
         self.step_times, self.loss = [], None
         self.reply = self.snapshot()
 
     def snapshot(self):
-        """(version, weights): a copy, so no reply in flight can see a later update's weights."""
-        return self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A copy of the weights, so no reply in flight can see a later update's weights."""
+        return Reply(self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     def pull(self, trainer):
         with self.lock:
-            return self.reply if trainer in self.live else None  # None: dropped earlier, stop
+            return self.reply if trainer in self.live else Reply(self.version, None, "dropped by the server")
 
     def push(self, trainer, version, grads, loss):
-        """A future of the reply to this push: (version, weights) after the next update, or None for a
-        trainer that is no longer live."""
+        """A future of the Reply to this push, completed by the next update (or at once if the trainer was dropped)."""
         future = torch.futures.Future()
         with self.lock:
             if trainer not in self.live:
-                future.set_result(None)
+                future.set_result(Reply(self.version, None, "dropped by the server"))
             elif version != self.version:
                 future.set_exception(ValueError(f"trainer {trainer} pushed for step {version}, "
                                                 f"the server is at step {self.version}"))
             else:
                 if not self.pushed:  # the first gradient of this version: the straggler clock starts
                     self.waiting_since = time.monotonic()
-                    self.changed.notify_all()
-                self.pushed[trainer] = (grads, loss, future)
-                if self.live <= self.pushed.keys():
-                    self.update()
+                self.pushed[trainer] = Pushed(grads, loss, future)
+                self.changed.notify_all()
         return future
+
+    def leave(self, trainer):
+        """A trainer has the last update's weights: the server need not stay up for it."""
+        with self.lock:
+            self.left.add(trainer)
+            self.changed.notify_all()
 
     @staticmethod
     def pull_remote(trainer):
@@ -157,40 +191,53 @@ class ParameterServer:
     def push_remote(trainer, version, grads, loss):
         return SERVER.push(trainer, version, grads, loss)
 
+    @staticmethod
+    def leave_remote(trainer):
+        SERVER.leave(trainer)
+
     def update(self):
-        """Average the pushed gradients in trainer order, step, save, answer. Called under the lock."""
-        trainers = sorted(self.pushed)
+        """Average the pushed gradients in trainer order, step, save, answer. Main thread, under the lock."""
+        trainers, step = sorted(self.pushed), self.version + 1
+        loss = sum(self.pushed[t].loss for t in trainers) / len(trainers)
+        if not math.isfinite(loss):  # diverged: stop before the weights change and anything is saved
+            for t in trainers:
+                self.pushed[t].reply.set_result(Reply(self.version, None, f"the server stopped: loss {loss}"))
+            fail(f"loss is {loss} at step {step}: stopping without saving, the checkpoints of earlier steps are kept",
+                 code=3)
         for i, p in enumerate(self.model.parameters()):
-            p.grad = sum(self.pushed[t][0][i] for t in trainers) / len(trainers)
+            p.grad = sum(self.pushed[t].grads[i] for t in trainers) / len(trainers)
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = lr_at(self.cfg, self.version)  # a function of the step: a resume, even with a new --lr, needs no schedule
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
-        self.scheduler.step()
-        self.version += 1
-        self.loss = sum(self.pushed[t][1] for t in trainers) / len(trainers)
+        self.version, self.loss = step, loss
         dt = time.monotonic() - self.version_started
         self.step_times.append(dt)
         self.reply = self.snapshot()
-        pushed_bytes = sum(g.numel() * g.element_size() for t in trainers for g in self.pushed[t][0])
-        pulled_bytes = len(trainers) * sum(v.numel() * v.element_size() for v in self.reply[1].values())
-        self.monitor.step(self.version, self.loss, lr, dt, self.tokens_per_trainer * len(trainers),
+        pushed_bytes = sum(g.numel() * g.element_size() for t in trainers for g in self.pushed[t].grads)
+        pulled_bytes = len(trainers) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
+        self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(trainers),
                           state_bytes(self.model, self.optimizer), updates_per_s=1 / dt,
                           bytes_moved=pushed_bytes + pulled_bytes, trainers=len(trainers))
-        self.after_update(self.version)  # before any trainer sees the new version
+        self.after_update(step)  # before any trainer sees the new version
         for t in trainers:
-            self.pushed[t][2].set_result(self.reply)
+            self.pushed[t].reply.set_result(self.reply)
         self.pushed = {}
         self.version_started = self.waiting_since = time.monotonic()
-        self.changed.notify_all()
 
     def wait_until_done(self):
-        """Main thread: return after the last update. A trainer whose gradient for the current version
-        is still missing --straggler-timeout seconds after the first one arrived is dropped, and the
-        update goes ahead without it. The clock starts at the first gradient, not at the version's
-        start, so that a slow start (import, first step) is never taken for a lost trainer."""
+        """Main thread: run every update, and return after the last. An update runs once every live
+        trainer has pushed. A trainer whose gradient is still missing --straggler-timeout seconds after
+        the first one arrived is dropped, and the update goes ahead without it. The clock starts at the
+        first gradient, not at the version's start, so that a slow start (import, first step) is never
+        taken for a lost trainer; no gradient at all for --timeout-s is an error."""
         with self.lock:
             while self.version < self.cfg.steps:
+                if self.pushed and self.live <= self.pushed.keys():
+                    self.update()
+                    continue
                 limit = self.cfg.straggler_timeout if self.pushed else self.cfg.timeout_s
                 waited = time.monotonic() - self.waiting_since
                 if waited < limit:
@@ -200,27 +247,71 @@ class ParameterServer:
                     raise RuntimeError(f"no trainer pushed a gradient for step {self.version} in {waited:.0f} s")
                 for t in sorted(self.live - self.pushed.keys()):
                     self.live.remove(t)
+                    self.lost[t] = self.version
                     self.monitor.event("trainer_lost", step=self.version, trainer=t, waited_s=waited)
                     print(f"trainer {t} lost: no gradient for step {self.version} after {waited:.1f} s; "
                           f"continuing with {len(self.live)} trainers", flush=True)
-                self.update()
+
+    def wait_for_leaves(self):
+        """After the last update: wait until every live trainer has said it has the last weights, at
+        most --straggler-timeout seconds. Returns the trainers not heard from (frozen or dead since)."""
+        deadline = time.monotonic() + self.cfg.straggler_timeout
+        with self.lock:
+            while not self.live <= self.left and time.monotonic() < deadline:
+                self.changed.wait(deadline - time.monotonic())
+            return sorted(self.live - self.left)
+
+    def skipped_rows(self):
+        """Per lost trainer: the rows [start, end) of every global batch that it owned and no one trained
+        on, from `from_step` (the first update without it) to the end."""
+        n = self.rows_per_trainer
+        return [{"trainer": t, "rows": [(t - 1) * n, t * n], "from_step": step + 1}
+                for t, step in sorted(self.lost.items())]
 
 
 SERVER = None  # the ParameterServer, on rank 0
 
 
+# ----------------------------------------------------------------------------- trainer
+GONE = "the server is gone"  # a trainer's reason to stop when the server no longer answers
+
+
+def call_server(function, *args, timeout_s):
+    """function(*args) on the server: its answer, or None if the server is gone.
+
+    Gone (its process ended or its agent shut down: the call fails at once) means stop: either the
+    job is over, or the server crashed and its own exit makes torchrun restart the group. A server
+    still there but silent for the whole RPC timeout is hung: the trainer fails, so that torchrun
+    stops the group, the hung server with it, and restarts it."""
+    t0 = time.monotonic()
+    try:
+        answer = rpc.rpc_async("server", function, args=args).wait()
+    except RuntimeError:
+        if time.monotonic() - t0 >= timeout_s:
+            raise
+        return None
+    if isinstance(answer, Exception):  # an exception set on an async_execution future arrives as a value
+        raise answer
+    return answer
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
-    # restart) and rpc.shutdown() the final barrier; RPC is the only communication.
+    # restart); RPC is the only communication.
     global SERVER
+    refuse_unsafe_restarts()  # what setup() does in the other scripts
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")  # torch's own init_rpc
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, local_rank, local_world)
+    device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, int(os.environ["LOCAL_RANK"]),
+                                                                int(os.environ["LOCAL_WORLD_SIZE"]))
     options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
     run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    # The server holds the run folder's lock until it exits: a second job on the same folder would
+    # prune and overwrite this one's checkpoints.
+    if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+        fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
@@ -238,24 +329,25 @@ def main(cfg):
 
     if rank == 0:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(cfg, s) / cfg.lr)
 
         # --------------------------------------------------------------------- resume (server)
         # Done before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
-        step, resumed_from, live = 0, None, range(1, world)
+        step, resumed_from, lost = 0, None, {}
         _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
         if state is not None:
             t0 = time.perf_counter()
-            if shape_mismatch(state["config"], cfg):
-                fail(f"{path}: {shape_mismatch(state['config'], cfg)}; use another --run-dir")
+            problem, changes = resume_problem(state, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            if problem:
+                fail(f"{path}: {problem}")
+            if changes:
+                print0(f"resuming with changed settings: {', '.join(changes)}")
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
             step = resumed_from = state["step"]
             set_rng_state(state["rng"])
-            if state["world_size"] == world:
-                live = state["live"]
-            else:  # other ranks: the saved live set names trainers that may not exist
+            if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
+                lost = state["lost"]
+            else:  # other ranks: the saved ranks of lost trainers may not exist
                 print0(f"world size changed from {state['world_size']} to {world}: all {trainers} trainers live")
             monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path))
             print0(f"resuming from step {step}")
@@ -278,18 +370,22 @@ def main(cfg):
             die_mid_save = None
             if cfg.crash_in_save == step and first_attempt():
                 die_mid_save = lambda: crash(f"server while saving step {step}")  # noqa: E731
-            nbytes = atomic_save({
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "world_size": world,
-                "rng": rng_state(), "config": dataclasses.asdict(cfg), "live": sorted(SERVER.live),
-            }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
-            prune(ckpt_dir, cfg.keep)
+            try:
+                nbytes = atomic_save({
+                    "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
+                    "lost": SERVER.lost,
+                }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
+            except OSError as e:  # a full disk: the previous checkpoints stay as they are
+                fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
+                     code=3)
+            prune(ckpt_dir, cfg.keep, step)
             save_s = time.perf_counter() - t0
             monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
             print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
         # --------------------------------------------------------------------- serve
-        SERVER = ParameterServer(model, optimizer, scheduler, cfg, monitor, trainers, step, live, after_update)
+        SERVER = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update)
         rpc.init_rpc("server", rank=rank, world_size=world, rpc_backend_options=options)
         try:
             SERVER.wait_until_done()
@@ -303,47 +399,61 @@ def main(cfg):
             "restarts": restarts(), "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
             "median_step_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-            "trainers_lost": trainers - len(SERVER.live),
+            "trainers_lost": len(SERVER.lost), "lost_trainers": sorted(SERVER.lost),
+            "skipped_rows": SERVER.skipped_rows(),
         }
         atomic_write_json(summary, run_dir / "summary.json")
         print0(f"done: step {SERVER.version}, final loss {summary['final_loss']}, "
-               f"param_digest {summary['param_digest']}, trainers lost {summary['trainers_lost']}")
+               f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
+        # Stay up until every live trainer has the last weights (a local shutdown could cut a reply
+        # short), but never for a trainer that froze or died since.
+        silent = SERVER.wait_for_leaves()
+        if silent:
+            print(f"trainers {silent} did not confirm the last step within {cfg.straggler_timeout} s: "
+                  "not waiting for them", flush=True)
     else:
         # --------------------------------------------------------------------- train (trainers)
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
         monitor.event("start", restarts=restarts(), world_size=world)
-        reply = rpc.rpc_sync("server", ParameterServer.pull_remote, args=(rank,))
-        while reply is not None and reply[0] < cfg.steps:
-            step, weights = reply
+        reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
+        while reply.stop is None and reply.step < cfg.steps:
+            step = reply.step
             if cfg.drop_trainer_at_step == step and rank == crash_rank and first_attempt():
                 print(f"trainer {rank}: leaving silently at step {step} (--drop-trainer-at-step)", flush=True)
                 break
             t0 = time.perf_counter()
-            model.load_state_dict(weights)
+            model.load_state_dict(reply.weights)
             seed_rng(cfg.seed * 1_000_003 + step, rank)  # dropout randomness follows from the step, not from history
             inputs, targets = (t.to(device) for t in data.batch(step, rank - 1, trainers))
             model.zero_grad(set_to_none=True)
             loss = model(inputs, targets)
+            if cfg.nan_at_step == step + 1:
+                loss = loss * float("nan")
             loss.backward()
             grads = [p.grad.cpu() for p in model.parameters()]
             t1 = time.perf_counter()
-            reply = rpc.rpc_async("server", ParameterServer.push_remote, args=(rank, step, grads, loss.item())).wait()
+            reply = (call_server(ParameterServer.push_remote, rank, step, grads, loss.item(), timeout_s=cfg.timeout_s)
+                     or Reply(step, None, GONE))
             t2 = time.perf_counter()
-            if reply is None:
+            if reply.stop is not None:
                 break
             monitor.event("step", step=step + 1, loss=loss.item(), step_s=t2 - t0, compute_s=t1 - t0, wait_s=t2 - t1,
                           tokens_per_s=tokens_per_step / trainers / (t2 - t0), **memory(device),
                           mfu=mfu(flops_per_step, t2 - t0, device))
             if cfg.crash_at_step == step + 1 and rank == crash_rank and first_attempt():
                 crash(f"trainer {rank} after step {step + 1}")
-        if reply is None:
-            print(f"trainer {rank}: dropped by the server, stopping", flush=True)
+        if reply.stop is not None:
+            print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
+        elif reply.step >= cfg.steps:  # a server gone before its answer left has heard it: nothing is lost
+            call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
 
     # ------------------------------------------------------------------------- teardown
-    # Graceful shutdown is a barrier over every process, a trainer that left early included: it
-    # waits here, so no process exits while another still has an RPC in flight to it.
+    # Each process shuts down its own agent. A graceful rpc.shutdown() is a barrier over every
+    # process with no timeout, so a trainer that froze or died would hold the job for ever; instead
+    # the trainers stop once they have the last weights (or are dropped), and the server once they
+    # said so (above). No process has an RPC of its own in flight by then.
     t0 = time.perf_counter()
-    rpc.shutdown()
+    rpc.shutdown(graceful=False)
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
     monitor.close()
 

@@ -1,16 +1,18 @@
 """Unit tests of the shared mechanics: atomic save, checkpoint lookup, keep-K, RNG, digest, data, CLI."""
+import dataclasses
 import random
 import subprocess
 import sys
 import textwrap
+import typing
 
 import pytest
 import torch
 
-from common.checkpoint import (atomic_save, checkpoints, load_newest, param_digest, prune, rng_state,
-                               set_rng_state, step_name)
+from common.checkpoint import (FORMAT, atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest,
+                               prune, resume_problem, rng_state, run_dir_holder, set_rng_state, step_name)
 from common import monitor
-from common.config import parse_config
+from common.config import RANGES, load_script, parse_config
 from common.data import StepData
 from common.model import ModelConfig, Transformer
 from conftest import REPO
@@ -49,21 +51,121 @@ def test_lookup_ignores_temp_files_and_uncommitted_folders(tmp_path):
 def test_prune_keeps_newest_k_and_never_an_in_flight_save(tmp_path):
     for step in (1, 2, 3, 4, 5):
         atomic_save({"step": step}, tmp_path / step_name(step, ".pt"))
-    (tmp_path / step_name(3)).mkdir()  # stale: uncommitted and older than the newest commit
+    (tmp_path / step_name(3)).mkdir()  # stale: uncommitted and older than the commit
     (tmp_path / step_name(6)).mkdir()  # maybe an async save still being written: must stay
     (tmp_path / f".{step_name(7, '.pt')}.tmp-99").write_bytes(b"x")
-    prune(tmp_path, keep=2)
+    prune(tmp_path, keep=2, committed_step=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4, ".pt"), step_name(5, ".pt"), step_name(6)]
 
 
-def test_load_newest_falls_back_past_a_truncated_file(tmp_path, capsys):
+def test_prune_never_deletes_the_checkpoint_just_committed(tmp_path):
+    # Newer committed checkpoints (say, unreadable ones not yet moved aside) must not push the fresh one out.
+    for step in (4, 8, 12, 16):
+        atomic_save({"step": step}, tmp_path / step_name(step, ".pt"))
+    prune(tmp_path, keep=1, committed_step=8)
+    assert [s for s, _ in checkpoints(tmp_path)] == [16, 12, 8]
+
+
+def test_load_newest_retries_once_then_moves_the_unreadable_aside(tmp_path, capsys):
     atomic_save({"w": torch.arange(10)}, tmp_path / step_name(1, ".pt"))
     atomic_save({"w": torch.arange(1000)}, tmp_path / step_name(2, ".pt"))
     path = tmp_path / step_name(2, ".pt")
-    path.write_bytes(path.read_bytes()[:500])
+    damaged = path.read_bytes()[:500]
+    path.write_bytes(damaged)
     step, _, state = load_newest(tmp_path, lambda p: torch.load(p, weights_only=True))
     assert step == 1 and torch.equal(state["w"], torch.arange(10))
-    assert "falling back" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trying once more" in out and "falling back" in out and "moved step-00000002.pt aside" in out
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(step_name(2, ".pt.unreadable-"))]
+    assert len(aside) == 1 and aside[0].read_bytes() == damaged  # kept as it was, never loaded again
+    assert [s for s, _ in checkpoints(tmp_path)] == [1]
+
+
+def test_load_newest_recovers_from_a_transient_failure_and_moves_nothing_when_none_loads(tmp_path):
+    for step in (1, 2):
+        atomic_save({"step": step}, tmp_path / step_name(step, ".pt"))
+    failures = []
+
+    def flaky(path):  # the first read fails, as a network filesystem might for a moment
+        if not failures:
+            failures.append(path)
+            raise OSError("transient")
+        return torch.load(path, weights_only=True)
+
+    assert load_newest(tmp_path, flaky)[0] == 2
+    assert load_newest(tmp_path, lambda p: 1 / 0) == (None, None, None)
+    assert [s for s, _ in checkpoints(tmp_path)] == [2, 1]  # nothing loads: nothing is moved
+
+
+def test_atomic_write_that_fails_leaves_no_temp_file_and_the_old_file(tmp_path):
+    path = tmp_path / step_name(1, ".pt")
+    atomic_save({"step": 1}, path)
+    before = path.read_bytes()
+
+    def full_disk(f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic_write(path, full_disk)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and path.read_bytes() == before
+
+
+def test_run_dir_lock_is_exclusive_and_released_with_its_holder(tmp_path):
+    lock = lock_run_dir(tmp_path)
+    assert lock is not None and lock_run_dir(tmp_path) is None  # a second holder, even in this process, is refused
+    assert "pid" in run_dir_holder(tmp_path)
+    lock.close()  # what the OS does when the holder dies
+    assert run_dir_holder(tmp_path) is None and lock_run_dir(tmp_path) is not None
+
+
+def test_resume_problem_names_what_changed_and_refuses_what_breaks_the_resume():
+    ddp = load_script(REPO / "ddp" / "train.py")
+    cfg = parse_config(ddp.Config, argv=[])
+    saved = {"format": FORMAT, "config": dataclasses.asdict(cfg)}
+    check = lambda new, allow=False: resume_problem(saved, new, ("dim",), ("seed", "batch_size"), allow)  # noqa: E731
+    assert check(cfg) == (None, [])
+    assert check(dataclasses.replace(cfg, lr=0.01, run_dir="elsewhere")) == (None, ["lr 0.003 -> 0.01"])
+    problem, changes = check(dataclasses.replace(cfg, seed=1))
+    assert "seed=0 (this run: 1)" in problem and "--allow-changes" in problem and changes == ["seed 0 -> 1"]
+    assert check(dataclasses.replace(cfg, seed=1), allow=True) == (None, ["seed 0 -> 1"])
+    assert "dim=64 (this run: 32)" in check(dataclasses.replace(cfg, dim=32), allow=True)[0]
+    old = {**saved, "format": 1}
+    assert "format 1" in resume_problem(old, cfg, (), (), False)[0]
+
+
+SCRIPTS = ["ddp/train.py", "fsdp/train.py", "rpc/ps.py"]
+
+
+def bad_values(field, kind):
+    """Values outside a flag's declared range."""
+    rule = RANGES[field.name]
+    values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": []}
+    out = values[rule[0]]
+    return out + [float("nan"), float("inf")] if kind is float else out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_has_a_range_and_a_value_outside_it_is_one_line(script, tmp_path, monkeypatch, capsys):
+    # Generated from each script's Config: a new numeric flag without a declared range fails here.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    module = load_script(REPO / script)
+    fields = [f for f in dataclasses.fields(module.Config) if _numeric(module.Config, f)]
+    assert fields and not [f.name for f in fields if f.name not in RANGES]
+    for f in fields:
+        for value in bad_values(f, _numeric(module.Config, f)):
+            flag = "--" + f.name.replace("_", "-")
+            with pytest.raises(SystemExit) as exit_:
+                parse_config(module.Config, module.check, ["--run-dir", str(tmp_path), flag, str(value)])
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and err.count("\n") == 1 and flag in err, (flag, value, err)
+
+
+def _numeric(cls, field):
+    """int or float for a numeric field (Optional[int] counts), else None."""
+    tp = [a for a in typing.get_args(typing.get_type_hints(cls)[field.name]) if a is not type(None)] or \
+        [typing.get_type_hints(cls)[field.name]]
+    return tp[0] if tp[0] in (int, float) else None
 
 
 def test_rng_round_trip():
@@ -104,7 +206,6 @@ def test_data_is_a_function_of_step_and_same_across_world_sizes(real_text, tmp_p
 
 
 def test_config_flags_come_from_the_dataclass(capsys):
-    from common.config import load_script
     ddp = load_script(REPO / "ddp" / "train.py")
     cfg = parse_config(ddp.Config, argv=["--steps", "7", "--no-tie-head", "--crash-at-step", "3"])
     assert (cfg.steps, cfg.tie_head, cfg.crash_at_step, cfg.crash_in_save) == (7, False, 3, None)

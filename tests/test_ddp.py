@@ -1,29 +1,59 @@
 """DDP end to end on CPU with gloo: crashes and restarts under the real torchrun end bitwise equal."""
 import hashlib
+import math
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from common.checkpoint import step_name
+from common import launch
+from common.checkpoint import checkpoints, lock_run_dir, step_name
 from common.config import load_script, parse_config
-from conftest import REPO, SMALL, metrics, run_sh, summary, torchrun
+from common.dist import free_port
+from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
 
 SCRIPT = "ddp/train.py"
 
 
-def single(run_dir, *flags, env=None):
-    """One process, no torchrun: `python ddp/train.py` (a process group of one)."""
-    proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", str(run_dir), *map(str, flags)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def single(run_dir, *flags, env=None, code=0, preexec_fn=None):
+    """One process, no torchrun: `python ddp/train.py` (a process group of one); asserts its exit code."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--run-dir", str(run_dir), *map(str, flags)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+                          preexec_fn=preexec_fn)
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def test_crash_at_step_resumes_bitwise(tmp_path, ddp_reference):
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", 10)
+def files(run_dir):
+    """{path: sha256} of every checkpoint file in the run folder."""
+    return {p.relative_to(run_dir): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (run_dir / "ckpt").rglob("*") if p.is_file()}
+
+
+def docstring_launch_line():
+    """The torchrun command the script's docstring shows, continuation lines joined, comments dropped."""
+    lines = (REPO / SCRIPT).read_text().split('"""')[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))
+    command = " ".join(line.split("#")[0].strip().rstrip("\\") for line in lines[start:start + 2])
+    return " ".join(command.split())
+
+
+def test_the_docstring_launch_line_survives_a_crash_bitwise(tmp_path, ddp_reference):
+    # The line as a user copies it (2 ranks, torchrun restarts, the rendezvous variable), with dropout on:
+    # the saved per-rank RNG is what makes the resumed masks equal.
+    command = docstring_launch_line()
+    assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3")
+    flags = " ".join(map(str, ["--run-dir", tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 10]))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", f"{command} {flags}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "injected crash: rank 1 after step 10" in proc.stderr
     assert "resuming from step 8" in proc.stdout
     result = summary(tmp_path)
@@ -31,8 +61,22 @@ def test_crash_at_step_resumes_bitwise(tmp_path, ddp_reference):
     assert result["param_digest"] == summary(ddp_reference)["param_digest"]
 
 
+def test_launch_without_the_rendezvous_variable_is_refused_in_one_line(tmp_path):
+    command = docstring_launch_line().replace("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ", "")
+    command = command.replace("--nproc-per-node 2 --max-restarts 3", "--nproc-per-node 1 --max-restarts 1")
+    command = command.replace("localhost:0", f"localhost:{free_port()}")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+    proc = subprocess.run(["bash", "-c", f"{command} --run-dir {tmp_path} {' '.join(SMALL)}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), proc.stderr[-2000:]
+    assert not checkpoints(tmp_path / "ckpt") and not (tmp_path / "summary.json").exists()
+
+
 def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-in-save", 8)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--crash-in-save", 8, restarts=1)
     assert "injected crash: rank 0 while saving step 8" in proc.stderr
     result = summary(tmp_path)
     assert result["resumed_from_step"] == 4  # the step-8 file was never committed
@@ -41,14 +85,20 @@ def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
     assert ckpts == [step_name(s, ".pt") for s in (8, 12, 16)]  # keep 3; the torn temp file is gone
 
 
-def test_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, ddp_reference):
+def test_truncated_latest_checkpoint_is_moved_aside_and_keep_1_keeps_the_fresh_save(tmp_path, ddp_reference):
     shutil.copytree(ddp_reference / "ckpt", tmp_path / "ckpt")
     latest = tmp_path / "ckpt" / step_name(16, ".pt")
-    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL)
+    damaged = latest.read_bytes()[: latest.stat().st_size // 2]
+    latest.write_bytes(damaged)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--keep", 1)
     assert f"checkpoint {latest} unreadable" in proc.stdout and "resuming from step 12" in proc.stdout
     assert summary(tmp_path)["resumed_from_step"] == 12
     assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
+    # The damaged file is kept aside, byte for byte; --keep 1 kept the step-16 checkpoint just written.
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(names) == 2 and names[0] == step_name(16, ".pt"), names
+    assert re.fullmatch(r"step-00000016\.pt\.unreadable-.*", names[1])
+    assert (tmp_path / "ckpt" / names[1]).read_bytes() == damaged
 
 
 def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, ddp_reference):
@@ -63,9 +113,9 @@ def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, ddp_refe
 
 def test_two_crashes_resume_twice(tmp_path, ddp_reference):
     # First launch dies at step 6 with no restarts left; the relaunch dies again at 14 and is restarted.
-    first = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", 6, max_restarts=0, check=False)
+    first = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 6, max_restarts=0, check=False)
     assert first.returncode != 0
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", 14, "--crash-rank", 0)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 14, "--crash-rank", 0, restarts=1)
     assert "resuming from step 4" in proc.stdout and "resuming from step 12" in proc.stdout
     result = summary(tmp_path)
     assert (result["resumed_from_step"], result["restarts"]) == (12, 1)
@@ -102,11 +152,18 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--steps", "0"], "--steps must be > 0"),
-    (["--save-every", "-1"], "--save-every must be > 0"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--log-every", "0"], "--log-every must be > 0"),
+    (["--min-lr", "nan"], "--min-lr must be >= 0, got nan"),
+    (["--timeout-s", "-5"], "--timeout-s must be > 0, got -5"),
+    (["--vocab", "0"], "--vocab must be > 0"),
+    (["--device", "gpu"], "--device gpu: choose from auto, cpu, cuda"),
     (["--heads", "3"], "--heads 3 does not divide --dim 64"),
     (["--batch-size", "7"], "--batch-size 7 (the global batch) does not split evenly over 2 ranks"),
     (["--data", "/no/such/file.txt", "--vocab", "256"], "--data /no/such/file.txt: no such file"),
-    (["--run-dir", "/etc/hostname/run"], "--run-dir /etc/hostname/run is not writable"),
+    (["--data", "SHORT", "--vocab", "256"], "bytes, fewer than one sequence (--seq-len 32 + 2)"),
+    (["--run-dir", "/etc/hostname/run"], "--run-dir: /etc/hostname/run is not a writable folder"),
+    (["--run-dir", "CKPT_IS_A_FILE"], "ckpt is not a writable folder"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
@@ -115,6 +172,13 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", "2")
     if "PEAK_TFLOPS" in message:
         monkeypatch.setenv("PEAK_TFLOPS", "fast")
+    if "SHORT" in flags:
+        (tmp_path / "short.txt").write_text("too short")
+        flags = [str(tmp_path / "short.txt") if f == "SHORT" else f for f in flags]
+    if "CKPT_IS_A_FILE" in flags:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "ckpt").write_text("not a folder")
+        flags = [str(tmp_path / "run") if f == "CKPT_IS_A_FILE" else f for f in flags]
     ddp = load_script(REPO / SCRIPT)
     run_dir = [] if "--run-dir" in flags else ["--run-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_:
@@ -135,12 +199,57 @@ def test_run_sh_rejects_bad_input_before_starting_workers(tmp_path):
 
 def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path):
     single(tmp_path, *SMALL, "--steps", 4)
-    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
+    before = files(tmp_path)
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--dim", 64, "--layers", 3)
     assert proc.returncode == 2
     assert "checkpoint was made with dim=32 (this run: 64), layers=2 (this run: 3)" in proc.stderr
-    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
-    assert after == before
+    proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--seed", 5)  # other samples: refused too...
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "seed=0 (this run: 5)" in proc.stderr and "--allow-changes" in proc.stderr
+    assert files(tmp_path) == before
+    # ...while a new learning rate is applied and said (no saved schedule overrides it).
+    proc = single(tmp_path, *SMALL, "--steps", 6, "--lr", 0.01)
+    assert "resuming with changed settings: steps 4 -> 6, lr 0.003 -> 0.01" in proc.stdout
+    lrs = [e["lr"] for e in metrics(tmp_path, 0, "step") if e["step"] > 4]
+    ddp = load_script(REPO / SCRIPT)
+    cfg = parse_config(ddp.Config, argv=[*SMALL, "--steps", "6", "--lr", "0.01"])
+    assert lrs == [ddp.lr_at(cfg, 4), ddp.lr_at(cfg, 5)]
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
+    lock = lock_run_dir(tmp_path)  # what rank 0 of a running job holds
+    proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL)  # refused before torchrun starts
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is in use by another job" in proc.stderr
+    proc = single(tmp_path, *SMALL, code=2)  # and by the worker itself, when launched some other way
+    assert "is in use by another job" in proc.stderr and not checkpoints(tmp_path / "ckpt")
+    lock.close()  # the job ends (or dies): the folder is free again
+    single(tmp_path, *SMALL, "--steps", 4)
+    assert summary(tmp_path)["steps"] == 4
+
+
+def test_a_diverged_loss_stops_the_job_without_saving(tmp_path):
+    single(tmp_path, *SMALL, "--steps", 8)
+    before = files(tmp_path)
+    proc = single(tmp_path, *SMALL, "--nan-at-step", 10, code=3)
+    assert "resuming from step 8" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: loss is nan at step 10: stopping without saving, the checkpoints of earlier steps are kept")
+    assert files(tmp_path) == before  # the last finite checkpoints, untouched; nothing of step 10 or later
+
+
+def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path):
+    single(tmp_path, *SMALL, "--steps", 8)
+    before = files(tmp_path)
+
+    def file_size_limit():  # a full disk, as far as the checkpoint is concerned: its write fails
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = single(tmp_path, *SMALL, code=3, preexec_fn=file_size_limit)
+    assert "error: saving step 12 failed (File too large): the checkpoints of earlier steps are kept" in proc.stderr
+    assert files(tmp_path) == before  # no temp file left behind, step 8 as it was
+    proc = single(tmp_path, *SMALL)  # space again: the job resumes from the last good checkpoint
+    assert "resuming from step 8" in proc.stdout and summary(tmp_path)["steps"] == 16
 
 
 def test_trains_on_a_text_file(tmp_path):
@@ -150,3 +259,28 @@ def test_trains_on_a_text_file(tmp_path):
     assert "no checkpoint, starting fresh" in proc.stdout
     result = summary(tmp_path / "run")
     assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < 5.6  # < ln 256
+
+
+def test_sigterm_to_torchrun_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path):
+    # A preemption: the agent gets SIGTERM (as from Slurm or Kubernetes) and passes it to the workers,
+    # which finish their step, agree, save it and exit; the next launch loses no step.
+    flags = [*SMALL, *DROPOUT, "--steps", 300, "--save-every", 100]  # long enough to be mid-training at step 20
+    reference = tmp_path / "reference"
+    torchrun(SCRIPT, 2, reference, *flags)
+    run_dir = tmp_path / "preempted"
+    proc = launch.start(*launch.torchrun(SCRIPT, 2, run_dir, flags), tmp_path / "preempted.log")
+    assert wait_for_step(run_dir, 20, proc), "the job ended before step 20: the signal never fired"
+    proc.send_signal(signal.SIGTERM)
+    code, output, hung = launch.finish(proc, time.time() + 60)
+    assert code != 0 and not hung, output[-3000:]
+    preempted = metrics(run_dir, 0, "preempted")
+    assert len(preempted) == 1 and 20 <= preempted[0]["step"] < 300, output[-3000:]
+    step = preempted[0]["step"]
+    assert "preempted (SIGTERM): step" in output and checkpoints(run_dir / "ckpt")[0][0] == step
+    # The step saved is the one in progress when the first worker got the signal, not one later.
+    signalled = min(e["signalled_at"] for r in (0, 1) for e in metrics(run_dir, r, "preempted"))
+    done_before = [e["step"] for e in metrics(run_dir, 0, "step") if e["time"] < signalled]
+    assert step - max(done_before, default=0) <= 1
+    proc = torchrun(SCRIPT, 2, run_dir, *flags)
+    assert f"resuming from step {step}" in proc.stdout
+    assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, metrics, summary, torchrun
+from conftest import DROPOUT, SMALL, metrics, summary, torchrun
 from common.checkpoint import checkpoints, param_digest
 from common.model import ModelConfig, Transformer
 
@@ -15,10 +15,10 @@ PEAK_TFLOPS = 0.5
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-rank job (16 steps, a checkpoint every 4) that the other runs are compared with.
-    PEAK_TFLOPS gives the CPU a bf16 peak, so that it logs MFU as on a GPU."""
+    """The uninterrupted 2-rank job (16 steps, a checkpoint every 4, dropout on) that the other runs are
+    compared with. PEAK_TFLOPS gives the CPU a bf16 peak, so that it logs MFU as on a GPU."""
     run_dir = tmp_path_factory.mktemp("fsdp-reference")
-    torchrun(SCRIPT, 2, run_dir, *SMALL, env={"PEAK_TFLOPS": str(PEAK_TFLOPS)})
+    torchrun(SCRIPT, 2, run_dir, *SMALL, *DROPOUT, env={"PEAK_TFLOPS": str(PEAK_TFLOPS)})
     return run_dir
 
 
@@ -29,7 +29,7 @@ def copy_run(src, dst):
 
 
 def test_crash_at_step_resumes_bitwise(tmp_path, reference):
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-at-step", "10")
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--cpu-offload", "--crash-at-step", "10", restarts=1)
     assert "injected crash: rank 1 after step 10" in proc.stderr
     assert "resuming from step 8" in proc.stdout
     s = summary(tmp_path)
@@ -38,7 +38,7 @@ def test_crash_at_step_resumes_bitwise(tmp_path, reference):
 
 
 def test_crash_in_save_leaves_a_torn_folder_that_is_ignored_and_removed(tmp_path, reference):
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--crash-in-save", "8")
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--crash-in-save", "8", restarts=1)
     assert "step-00000008: shards written, not committed" in proc.stderr
     assert "resuming from step 4" in proc.stdout  # not from the torn step 8
     assert "removed step-00000008 (never committed)" in proc.stdout
@@ -50,7 +50,7 @@ def test_crash_in_save_leaves_a_torn_folder_that_is_ignored_and_removed(tmp_path
 def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, reference):
     # The crash hits the third save; the one loaded is the second, staged into the buffers the
     # first save filled: a stale or mixed-up buffer would load other weights and change the digest.
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, "--async-save", "--crash-in-save", "12")
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", "12", restarts=1)
     assert "step-00000012: shards written, not committed" in proc.stderr
     assert "resuming from step 8" in proc.stdout
     s = summary(tmp_path)
@@ -61,7 +61,7 @@ def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, r
     assert all(0 < e["blocking_s"] <= e["total_s"] and e["bytes"] > 0 for e in saves)
 
 
-def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks, reference):
+def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks):
     # 4 -> 2 ranks is the one-node resume of the two-node test (test_scaleout.py).
     run_dir = copy_run(fsdp_four_ranks, tmp_path / "at-16")
     proc = torchrun(SCRIPT, 3, run_dir, *SMALL)  # nothing left to train: exactly the saved weights
@@ -77,32 +77,41 @@ def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks, reference
     assert "resharded from 4 to 3 ranks" in proc.stdout and "resuming from step 8" in proc.stdout
     s = summary(run_dir)
     assert (s["steps"], s["resumed_from_step"], s["world_size"]) == (16, 8, 3)
-    assert s["final_loss"] == pytest.approx(summary(reference)["final_loss"], abs=1e-3)  # same data, same steps
+    assert s["final_loss"] == pytest.approx(summary(fsdp_four_ranks)["final_loss"], abs=1e-3)  # same data and steps
     model = Transformer(ModelConfig(vocab=64, seq_len=16, dim=32, layers=2, heads=2))
     model.load_state_dict(torch.load(export, weights_only=True))  # strict: the keys of the unwrapped model
     assert param_digest(model.state_dict()) == s["param_digest"]
 
 
-def test_damaged_newest_checkpoint_falls_back_on_every_rank(tmp_path, reference):
+def test_a_checkpoint_unreadable_on_one_rank_is_moved_aside_never_deleted(tmp_path, reference):
+    # Rank 1's shard of step 16 is missing while the job chooses (a network filesystem's hiccup, say):
+    # both ranks fall back together, and the folder is kept aside, whole, for a person to recover.
     run_dir = copy_run(reference, tmp_path / "run")
-    shard = run_dir / "ckpt" / "step-00000016" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc = torchrun(SCRIPT, 2, run_dir, *SMALL)
+    newest = run_dir / "ckpt" / "step-00000016"
+    original = {p.name: p.read_bytes() for p in newest.iterdir()}
+    (newest / "__1_0.distcp").rename(tmp_path / "hidden.distcp")
+    proc = torchrun(SCRIPT, 2, run_dir, *SMALL, *DROPOUT)
+    assert "checkpoint step-00000016 did not load on every rank: trying once more" in proc.stdout
     assert "checkpoint step-00000016 did not load on every rank: falling back" in proc.stdout
     assert "resuming from step 12" in proc.stdout
     for rank in (0, 1):
         assert [e["step"] for e in metrics(run_dir, rank, "load")] == [12]
         assert [Path(e["path"]).name for e in metrics(run_dir, rank, "fallback")] == ["step-00000016"]
     assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]
+    aside = list((run_dir / "ckpt").glob("step-00000016.unreadable-*"))
+    assert len(aside) == 1 and "moved step-00000016 aside" in proc.stdout
+    (tmp_path / "hidden.distcp").rename(aside[0] / "__1_0.distcp")  # the shard is back: nothing was lost
+    assert {p.name: p.read_bytes() for p in aside[0].iterdir()} == original
 
 
 def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, reference):
     run_dir = copy_run(reference, tmp_path / "run")
     for _, path in checkpoints(run_dir / "ckpt"):
         (path / "__0_0.distcp").unlink()
-    proc = torchrun(SCRIPT, 1, run_dir, *SMALL, max_restarts=0, check=False)  # one rank: the same path, started faster
+    proc = torchrun(SCRIPT, 1, run_dir, *SMALL, *DROPOUT, max_restarts=0, check=False)  # one rank: started faster
     assert proc.returncode != 0
     assert "error: no checkpoint in" in proc.stderr and "starting fresh" not in proc.stdout
+    assert [s for s, _ in checkpoints(run_dir / "ckpt")] == [16, 12, 8]  # none loads: none is moved
 
 
 def test_mfu_counts_the_tokens_of_each_rank(reference):

@@ -1,11 +1,17 @@
 """rpc/ps.py: the parameter server resumes bit-exactly after crashes, drops a lost trainer without
-stalling, shuts down cleanly, and updates under its lock whatever order the gradients arrive in."""
+stalling, ends without waiting for a trainer that froze, and updates under its lock whatever order
+the gradients arrive in."""
+import json
+import os
+import signal
 import threading
 import time
 
 import pytest
 import torch
 
+from common import launch
+from common.launch import workers
 from common.checkpoint import param_digest
 from common.config import load_script, parse_config
 from common.model import Transformer, model_config
@@ -29,12 +35,11 @@ def test_uninterrupted_run_writes_the_summary(reference):
 
 
 @pytest.mark.parametrize("flags, crash, resumed_from", [
-    (["--crash-at-step", 6], "trainer 2 after step 6", 4),  # the last rank, a trainer
     (["--crash-at-step", 6, "--crash-rank", 0], "server after step 6", 4),  # after the update, before its save
     (["--crash-in-save", 8], "server while saving step 8", 4),  # step 8's checkpoint is never committed
-], ids=["trainer", "server", "server-mid-save"])
+], ids=["server", "server-mid-save"])  # a trainer's crash: test_killed_trainer_restarts_the_job
 def test_crash_resumes_to_the_same_weights(tmp_path, reference, flags, crash, resumed_from):
-    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, *flags)
+    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, *flags, restarts=1)
     assert f"injected crash: {crash}" in proc.stderr
     assert f"resuming from step {resumed_from}" in proc.stdout
     s = summary(tmp_path)
@@ -43,30 +48,89 @@ def test_crash_resumes_to_the_same_weights(tmp_path, reference, flags, crash, re
     assert [e["step"] for e in metrics(tmp_path, 0, "load")] == [resumed_from]
 
 
-# ----------------------------------------------------------------------------- a lost trainer
-def test_lost_trainer_is_dropped_and_the_job_finishes(tmp_path):
-    straggler_s = 4
-    t0 = time.monotonic()
-    torchrun("rpc/ps.py", 4, tmp_path, *SMALL, "--drop-trainer-at-step", "6", "--straggler-timeout", straggler_s,
-             timeout=180)
-    elapsed = time.monotonic() - t0
-    s = summary(tmp_path)
-    assert s["steps"] == 16 and s["trainers_lost"] == 1 and s["restarts"] == 0
+# ----------------------------------------------------------------------------- lost trainers
+def start_job(run_dir, nproc, *flags):
+    """The job under torchrun, in the background, once its worker processes exist: (process, {rank: pid})."""
+    proc = launch.start(*launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags]), log=f"{run_dir}.log")
+    pids = {}
+    while len(pids) < nproc and proc.poll() is None:
+        pids = workers(proc.pid, attempt=0)
+        time.sleep(0.01)  # polling for the processes, not waiting for a moment
+    return proc, pids
 
-    lost = metrics(tmp_path, 0, "trainer_lost")
-    assert [(e["trainer"], e["step"]) for e in lost] == [(3, 6)]
-    steps = metrics(tmp_path, 0, "step")
-    assert [e["trainers"] for e in steps] == [3] * 6 + [2] * 10  # update 7 onwards without trainer 3
-    waited = steps[6]["step_s"]  # the update that waited for trainer 3
-    assert straggler_s <= waited < straggler_s + 10
-    # Only that one update waited; the job took start-up, that wait, and normal steps.
-    normal = s["median_step_s"]
-    assert all(e["step_s"] < straggler_s for i, e in enumerate(steps) if i not in (0, 6))
-    assert elapsed < 90 + straggler_s + 16 * normal * 4, (elapsed, normal)
-    # Every process, the one that left included, got through rpc.shutdown.
-    for rank in range(4):
-        [shutdown] = metrics(tmp_path, rank, "shutdown")
-        assert shutdown["shutdown_s"] < 30
+
+def wait_for_event(run_dir, proc, event, deadline, step=0):
+    """Rank 0's first `event` (at `step` or later) once written; None if the job ends or the deadline passes first."""
+    path = run_dir / "metrics-rank0.jsonl"
+    while True:
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # whole lines: the last may be half-written
+        found = [e for e in map(json.loads, lines) if e["event"] == event and e.get("step", step) >= step]
+        if found or time.monotonic() > deadline or proc.poll() is not None:
+            return found[0] if found else None
+        time.sleep(0.005)  # polling the file, not waiting for a moment
+
+
+@pytest.fixture
+def kill_at_end():
+    """Kills a job that a failed test left running, a stopped process included."""
+    procs = []
+    yield procs.append
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_killed_trainer_restarts_the_job(tmp_path, reference, kill_at_end):
+    # A trainer killed for real: torchrun sees its worker die and restarts the group (long before the
+    # server would drop it), and the server resumes from its checkpoint with every trainer.
+    run_dir = tmp_path / "run"
+    proc, pids = start_job(run_dir, 3)
+    kill_at_end(proc)
+    assert wait_for_event(run_dir, proc, "step", time.monotonic() + 120, step=6)
+    os.kill(pids[2], signal.SIGKILL)
+    code, output, _ = launch.finish(proc, time.time() + 120)
+    assert launch.problems(run_dir, code, output, restarts=1) == [], output[-4000:]
+    s = summary(run_dir)
+    assert s["steps"] == 16 and s["trainers_lost"] == 0 and s["param_digest"] == reference["param_digest"]
+    assert [e["step"] for e in metrics(run_dir, 0, "load")] == [s["resumed_from_step"]]
+
+
+def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_at_end):
+    # Trainer 3 leaves silently at step 4; trainer 2 is frozen (SIGSTOP) once the server has done step
+    # 8. The server drops each after the straggler timeout, finishes, and exits while trainer 2 is
+    # still frozen. Once thawed, trainer 2 finds the server gone and stops: exit 0, no restart.
+    straggler_s, run_dir = 3, tmp_path / "run"
+    t0 = time.monotonic()
+    proc, pids = start_job(run_dir, 4, "--drop-trainer-at-step", 4, "--straggler-timeout", straggler_s)
+    kill_at_end(proc)
+    assert wait_for_event(run_dir, proc, "step", t0 + 120, step=8)
+    os.kill(pids[2], signal.SIGSTOP)
+    stopped = time.monotonic()
+    shutdown = wait_for_event(run_dir, proc, "shutdown", stopped + straggler_s + 30)
+    assert shutdown is not None, "the server waited for the frozen trainer"
+    os.kill(pids[2], signal.SIGCONT)
+    code, output, _ = launch.finish(proc, time.time() + 30)
+    assert launch.problems(run_dir, code, output, restarts=0) == [], output[-4000:]
+    elapsed = time.monotonic() - t0
+
+    [lost_3, lost_2] = metrics(run_dir, 0, "trainer_lost")
+    assert (lost_3["trainer"], lost_3["step"], lost_2["trainer"]) == (3, 4, 2) and lost_2["step"] >= 8
+    s = summary(run_dir)
+    assert s["steps"] == 16 and s["restarts"] == 0 and s["trainers_lost"] == 2 and s["lost_trainers"] == [2, 3]
+    assert s["skipped_rows"] == [{"trainer": 2, "rows": [4, 8], "from_step": lost_2["step"] + 1},
+                                 {"trainer": 3, "rows": [8, 12], "from_step": 5}]
+    steps = metrics(run_dir, 0, "step")
+    assert [e["trainers"] for e in steps] == [3] * 4 + [2] * (lost_2["step"] - 4) + [1] * (16 - lost_2["step"])
+    # Only the two updates that waited for a lost trainer took the straggler timeout, and the job took
+    # start-up, those two waits, and normal steps: nothing waited for the frozen trainer beyond them.
+    waited = [e["step_s"] for e in steps[1:] if e["step_s"] >= straggler_s]  # step 1 also waited for start-up
+    assert len(waited) == 2 and all(w < straggler_s + 10 for w in waited), waited
+    assert elapsed < 90 + 2 * straggler_s + 30, elapsed
+    assert "trainer 2: stopping at step" in output and "the server is gone" in output
+    for rank in range(4):  # every process, the frozen one included, shut its agent down
+        [shutdown] = metrics(run_dir, rank, "shutdown")
+        assert shutdown["shutdown_s"] < 10
 
 
 @pytest.mark.parametrize("world, flags, message", [
@@ -90,27 +154,25 @@ def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monke
 def make_server(tmp_path, cfg, trainers, after_update=lambda step: None):
     model = Transformer(model_config(cfg), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ps.lr_at(cfg, s) / cfg.lr)
     monitor = ps.Monitor(tmp_path, 0, torch.device("cpu"), log_every=1000)
-    return ps.ParameterServer(model, optimizer, scheduler, cfg, monitor, trainers, 0, range(1, trainers + 1),
-                              after_update)
+    return ps.ParameterServer(model, optimizer, cfg, monitor, trainers, 0, {}, after_update)
 
 
 def serial_reference(cfg, grads_per_step):
     """The same updates done one after another: [{trainer: grads}] per step, averaged in trainer order."""
     model = Transformer(model_config(cfg), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ps.lr_at(cfg, s) / cfg.lr)
     digests = []
-    for by_trainer in grads_per_step:
+    for step, by_trainer in enumerate(grads_per_step):
         for i, p in enumerate(model.parameters()):
             total = torch.zeros_like(p)
             for t in sorted(by_trainer):
                 total = total + by_trainer[t][i]
             p.grad = total / len(by_trainer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = ps.lr_at(cfg, step)
         optimizer.step()
-        scheduler.step()
         digests.append(param_digest(model.state_dict()))
     return digests
 
@@ -121,7 +183,8 @@ def random_grads(cfg, seed):
     return [torch.randn(shape, generator=g) for shape in shapes]
 
 
-SERVER_CFG = dict(steps=6, dim=16, heads=2, layers=1, seq_len=8, vocab=16, batch_size=8, warmup=2)
+SERVER_CFG = dict(steps=6, dim=16, heads=2, layers=1, seq_len=8, vocab=16, batch_size=8, warmup=2,
+                  timeout_s=20)  # a test whose pushes stopped fails in 20 s, not 300
 
 
 def test_pushes_from_many_threads_match_serial_updates(tmp_path):
@@ -135,12 +198,13 @@ def test_pushes_from_many_threads_match_serial_updates(tmp_path):
     def trainer(t):
         start.wait()  # all push at once, in whatever order the scheduler picks
         for step in range(cfg.steps):
-            version, weights = server.push(t, step, grads[step][t], float(t)).wait()
-            replies[t].append((version, param_digest(weights)))
+            reply = server.push(t, step, grads[step][t], float(t)).wait()
+            replies[t].append((reply.step, param_digest(reply.weights)))
 
     threads = [threading.Thread(target=trainer, args=(t,)) for t in range(1, trainers + 1)]
     for th in threads:
         th.start()
+    server.wait_until_done()  # the main thread runs the updates, as in the script
     for th in threads:
         th.join()
 
@@ -174,9 +238,38 @@ def test_missing_trainer_is_dropped_after_the_straggler_timeout(tmp_path):
 
     assert server.version == cfg.steps and server.live == {1, 2}
     assert replies == [[1, 1], [2, 2], [3, 3]]
-    assert server.push(3, 0, grads[0][3], 1.0).wait() is None  # the lost trainer, back too late: told to stop
-    assert server.pull(3) is None
+    late = server.push(3, 0, grads[0][3], 1.0).wait()  # the lost trainer, back too late: told to stop
+    assert late.stop == "dropped by the server" and server.pull(3).stop == late.stop
     [lost] = metrics(tmp_path, 0, "trainer_lost")
     assert lost["trainer"] == 3 and lost["step"] == 0 and lost["waited_s"] >= cfg.straggler_timeout
     expected = serial_reference(cfg, [{t: g[t] for t in (1, 2)} for g in grads])
     assert param_digest(server.model.state_dict()) == expected[-1]
+    assert server.skipped_rows() == [{"trainer": 3, "rows": [4, 6], "from_step": 1}]
+    # At the end the server waits for the live trainers to say they have the last weights, but only
+    # for the straggler timeout: trainer 2 never says so, as if it froze after its last push.
+    server.leave(1)
+    t0 = time.monotonic()
+    assert server.wait_for_leaves() == [2] and time.monotonic() - t0 >= cfg.straggler_timeout
+
+
+def test_a_loss_that_is_not_finite_stops_the_server_before_it_saves(tmp_path, capsys):
+    cfg = ps.Config(**SERVER_CFG)
+    grads = [{t: random_grads(cfg, 100 * step + t) for t in (1, 2)} for step in range(2)]
+    saved, replies = [], {}
+    server = make_server(tmp_path, cfg, 2, after_update=saved.append)
+
+    def trainer(t):  # trainer 2's loss of update 2 is NaN, as --nan-at-step 2 makes it
+        for step in range(2):
+            replies[t] = server.push(t, step, grads[step][t], float("nan") if (t, step) == (2, 1) else 1.0).wait()
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in (1, 2)]
+    for th in threads:
+        th.start()
+    with pytest.raises(SystemExit) as exit_:
+        server.wait_until_done()
+    for th in threads:
+        th.join()
+    assert exit_.value.code == 3 and "loss is nan at step 2: stopping without saving" in capsys.readouterr().err
+    assert saved == [1] and server.version == 1  # update 2 was neither applied nor saved
+    assert param_digest(server.model.state_dict()) == serial_reference(cfg, grads[:1])[-1]
+    assert [r.stop for r in replies.values()] == ["the server stopped: loss nan"] * 2
