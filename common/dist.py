@@ -1,8 +1,12 @@
 """Distributed setup in a few visible lines: device, backend, timeout, print0, fault injection."""
+import contextlib
 import datetime
 import os
+import signal
 import socket
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,49 @@ def refuse_unsafe_restarts():
             raise SystemExit(2)
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
+
+
+PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart
+
+
+class StepGuard:
+    """What the ranks settle together at the end of each step, and the timeout of their collectives.
+
+    One all-reduce carries the loss and whether any rank got SIGTERM (a preemption: Slurm's
+    --signal, a Kubernetes pod's termination, torchrun's agent shutting down), so every rank stops
+    after the same step. Collectives wait `timeout_s` while starting, loading and saving; once 5
+    steps are measured, `hang_timeout_s` or 20 steps' time if longer, so that a frozen rank fails
+    the job in seconds instead of minutes."""
+
+    def __init__(self, device, timeout_s, hang_timeout_s):
+        self.device, self.timeout_s, self.hang_timeout_s = device, timeout_s, hang_timeout_s
+        self.step_timeout_s, self.signalled_at = timeout_s, None
+        signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, *_):
+        self.signalled_at = self.signalled_at or time.time()
+
+    def agree(self, loss):
+        """(the loss averaged over the ranks, whether to save now and stop)."""
+        stats = torch.stack([loss.detach().float(), torch.tensor(float(self.signalled_at is not None), device=self.device)])
+        dist.all_reduce(stats)
+        return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
+
+    def measured(self, step_times):
+        """After the 5th step of this attempt (the first ones are slow): the short timeout from now on."""
+        if len(step_times) == 5:
+            self.step_timeout_s = min(self.timeout_s, max(self.hang_timeout_s, 20 * statistics.median(step_times)))
+            set_collective_timeout(self.step_timeout_s)
+            print0(f"collective timeout {self.step_timeout_s:.0f} s from now on ({self.timeout_s} s while saving)")
+
+    @contextlib.contextmanager
+    def patient(self):
+        """The long timeout, for a save: the other ranks may wait while rank 0 writes or prunes."""
+        set_collective_timeout(self.timeout_s)
+        try:
+            yield
+        finally:
+            set_collective_timeout(self.step_timeout_s)
 
 
 def set_collective_timeout(seconds, group=None):

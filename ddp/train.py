@@ -17,7 +17,6 @@ import gc
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -36,7 +35,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, print0, restarts, set_collective_timeout, setup, teardown
+from common.dist import (PREEMPTED, StepGuard, crash, first_attempt, print0, restarts, set_collective_timeout,
+                         setup, teardown)
 from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import CommTimer, Monitor, device_name, memory, mfu, state_bytes
 
@@ -77,7 +77,6 @@ class Config:
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
 
-PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
@@ -106,7 +105,8 @@ def main(cfg):
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
         # prune and overwrite this one's checkpoints.
-        if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+        lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
+        if lock is None:
             fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
@@ -194,14 +194,10 @@ def main(cfg):
             monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
             print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
-        # A SIGTERM (a preemption: Slurm's --signal, a Kubernetes pod's termination, torchrun's agent
-        # shutting down) is noted here and acted on by every rank at the end of the current step.
-        preempted = []
-        signal.signal(signal.SIGTERM, lambda *_: preempted.append(time.time()))
+        guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
 
         # --------------------------------------------------------------------- training loop
         step_times = []
-        hang_s = cfg.timeout_s  # until the first steps are measured
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -218,9 +214,7 @@ def main(cfg):
                 group["lr"] = lr
             optimizer.step()
             step += 1
-            stats = torch.stack([loss.detach().float(), torch.tensor(float(bool(preempted)), device=device)])
-            dist.all_reduce(stats)  # the loss summed over ranks, and whether any rank was told to stop
-            mean_loss, stop = stats[0].item() / world, stats[1].item() > 0
+            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
                      "steps are kept", code=3)
@@ -229,20 +223,16 @@ def main(cfg):
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
                          mfu=mfu(flops_per_step, dt, device))
 
-            if len(step_times) == 5:  # past the slow first steps: a peer that stops answering is hung
-                hang_s = min(cfg.timeout_s, max(cfg.hang_timeout_s, 20 * statistics.median(step_times)))
-                set_collective_timeout(hang_s)
-                print0(f"collective timeout {hang_s:.0f} s from step {step} on ({cfg.timeout_s} s while saving)")
+            guard.measured(step_times)
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
 
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
-                set_collective_timeout(cfg.timeout_s)  # the other ranks wait while rank 0 writes
-                save(step)
-                set_collective_timeout(hang_s)
+                with guard.patient():
+                    save(step)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
-                monitor.event("preempted", step=step, signalled_at=preempted[0] if preempted else None)
+                monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
                 raise SystemExit(PREEMPTED)
 

@@ -21,7 +21,6 @@ import gc
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -47,7 +46,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, print0, restarts, set_collective_timeout, setup, teardown
+from common.dist import (PREEMPTED, StepGuard, crash, first_attempt, print0, restarts, set_collective_timeout,
+                         setup, teardown)
 from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
@@ -98,7 +98,6 @@ SAMPLE_FIELDS = ("seed", "batch_size", "data")
 # torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
 # copy); 2.13 and later reuse one, and its buffers, for the whole run.
 REUSE_STAGER = TorchVersion(torch.__version__) >= "2.13"
-PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart
 
 
 def check(cfg):
@@ -200,6 +199,13 @@ class Save:
     stager: Optional[DefaultStager] = None
 
 
+def save_failed(step, error):
+    """One line and exit 3 for a save that failed (a full disk): its folder is never committed, so the
+    checkpoints of earlier steps stay the ones a restart loads."""
+    reason = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
+    fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
+
+
 class TornWriter(dcp.FileSystemWriter):
     """--crash-in-save: DCP calls finish() on rank 0 once every rank's shards are on disk, to write
     `.metadata` (the commit). This one dies there instead, leaving a torn, uncommitted folder."""
@@ -216,7 +222,8 @@ def main(cfg):
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
         # prune and overwrite this one's checkpoints.
-        if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+        lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
+        if lock is None:
             fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
@@ -336,9 +343,8 @@ def main(cfg):
                 return record
             try:  # returns once every rank's shards and the commit are on disk
                 dcp.save(state, storage_writer=writer)
-            except CheckpointException as e:  # a full disk: the folder stays uncommitted, never loaded
-                fail(f"saving step {step} failed ({str(e).strip().splitlines()[-1][:160]}): the checkpoints "
-                     "of earlier steps are kept", code=3)
+            except (Exception, CheckpointException) as e:  # a full disk: the folder stays uncommitted, never loaded
+                save_failed(step, e)
             record.done_at = time.perf_counter()
             record.blocking_s = record.done_at - t0
             return finish_save(record)
@@ -346,7 +352,10 @@ def main(cfg):
         def finish_save(record):
             """Wait for a save to commit, then make it durable, prune and report it."""
             if record.future is not None:
-                record.future.result()
+                try:
+                    record.future.result()
+                except (Exception, CheckpointException) as e:
+                    save_failed(record.step, e)
                 if record.stager is not stager:  # a stager of its own: its buffers are no longer needed
                     record.stager.close()
             nbytes = 0
@@ -361,14 +370,10 @@ def main(cfg):
                    f" total {total_s * 1000:.0f} ms)")
             return None
 
-        # A SIGTERM (a preemption: Slurm's --signal, a Kubernetes pod's termination, torchrun's agent
-        # shutting down) is noted here and acted on by every rank at the end of the current step.
-        preempted = []
-        signal.signal(signal.SIGTERM, lambda *_: preempted.append(time.time()))
+        guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
 
         # --------------------------------------------------------------------- training loop
         step_times, pending = [], None
-        hang_s = cfg.timeout_s  # until the first steps are measured
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -384,9 +389,7 @@ def main(cfg):
                 group["lr"] = lr
             optimizer.step()
             step += 1
-            stats = torch.stack([loss.detach().float(), torch.tensor(float(bool(preempted)), device=device)])
-            dist.all_reduce(stats)  # the loss summed over ranks, and whether any rank was told to stop
-            mean_loss, stop = stats[0].item() / world, stats[1].item() > 0
+            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
                     finish_save(pending)
@@ -397,22 +400,18 @@ def main(cfg):
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
                          mfu=mfu(flops_per_step, dt, device))
 
-            if len(step_times) == 5:  # past the slow first steps: a peer that stops answering is hung
-                hang_s = min(cfg.timeout_s, max(cfg.hang_timeout_s, 20 * statistics.median(step_times)))
-                set_collective_timeout(hang_s)
-                print0(f"collective timeout {hang_s:.0f} s from step {step} on ({cfg.timeout_s} s while saving)")
+            guard.measured(step_times)
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
                 crash(f"rank {rank} after step {step}")
 
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
-                set_collective_timeout(cfg.timeout_s)  # the other ranks may wait while rank 0 writes or prunes
-                if pending:  # one save in flight at a time: the previous one commits first
-                    pending = finish_save(pending)
-                pending = save(step, asynchronous=cfg.async_save and not stop)
-                set_collective_timeout(hang_s)
+                with guard.patient():
+                    if pending:  # one save in flight at a time: the previous one commits first
+                        pending = finish_save(pending)
+                    pending = save(step, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
-                monitor.event("preempted", step=step, signalled_at=preempted[0] if preempted else None)
+                monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
                 raise SystemExit(PREEMPTED)
 

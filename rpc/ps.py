@@ -310,7 +310,8 @@ def main(cfg):
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # The server holds the run folder's lock until it exits: a second job on the same folder would
     # prune and overwrite this one's checkpoints.
-    if rank == 0 and (lock := lock_run_dir(run_dir)) is None:
+    lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
+    if lock is None:
         fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
