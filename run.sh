@@ -111,8 +111,12 @@ python_with "${TRAIN[@]}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 node_rank=()
 [ -n "${NODE_RANK:-}" ] && node_rank=(--node-rank "$NODE_RANK")
+# An elastic job drops a lost node after 3 missed 1-s heartbeats and closes a round 5 s after it has
+# MIN nodes (c10d's defaults: 3 x 5 s and 30 s); see ELASTIC_RDZV_CONF in common/launch.py.
+rdzv_conf=()
+[[ $nnodes == *:* ]] && rdzv_conf=(--rdzv-conf "${RDZV_CONF:-keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5}")
 exec "$PY" -m torch.distributed.run \
   --nnodes "$nnodes" "${node_rank[@]}" --nproc-per-node "$nproc" \
   --max-restarts "${MAX_RESTARTS:-3}" \
   --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:-localhost:0}" --rdzv-id "${RDZV_ID:-$mode}" \
-  "$script" "$@"
+  "${rdzv_conf[@]}" "$script" "$@"

@@ -4,6 +4,7 @@
     bash run.sh chaos --trials 40 --seed 7          # a long one; the seed reproduces every trial
     bash run.sh chaos --strategies fsdp --trials 10
     bash run.sh chaos --plan sigstop:ddp,async-in-flight:fsdp-async --ranks 1   # these trials, smallest jobs
+    bash run.sh chaos --plan node-lost:fsdp,preempt:ddp --ranks 2   # two nodes of 2 ranks, one lost; a preemption
 
 Faults (KINDS), each at a step drawn at random, never at a moment in time, so that it always lands
 in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
@@ -12,21 +13,35 @@ worker a random fraction of a step after the job completed that step; --crash-at
 rank; --crash-in-save; two faults in one job (a crash, then a SIGKILL at a step drawn from those
 left after the resume); the newest checkpoint damaged between two launches (damage-newest), or
 unreadable only until the relaunch has chosen where to resume (transient-read); a crash while an
-async save is in flight. The first trials take every kind once, then kinds are drawn at random.
+async save is in flight; a node lost whole (node-lost: an elastic job, --nnodes 1:2, of two torchrun
+agents with --ranks workers each; one agent and its workers SIGKILLed, the other goes on alone); a
+preemption (preempt: SIGTERM to the torchrun agent, which passes it on; the workers save the step in
+progress and exit, and the job is launched again). The first trials take every kind once, then
+kinds are drawn at random.
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
 its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
-for a while, and ended with the reference digest. Exit code 1 if any trial failed.
+for a while, and ended with the reference digest. After a node's loss the reference is the
+uninterrupted job's checkpoint of the step the survivor resumed from, resumed at the survivor's size;
+a preempted job must resume from the step it saved. Exit code 1 if any trial failed.
+
+Recovery time, per trial and as medians per kind (common.compare.phases): from the fault to the
+first step trained after it, split into the wait until the new workers are launched (detection,
+stopping, rendezvous; for a preemption also the save and the relaunch), their start (imports,
+process group, model), the checkpoint load, the first step, and the steps trained again. The same
+split of each reference's cold start (launch to first step) gives the ratio of the two.
 """
 import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints, step_name  # noqa: E402
-from common.compare import events  # noqa: E402
+from common.compare import events, phases  # noqa: E402
 from common.config import Parser  # noqa: E402
-from common.launch import finish, problems, start, torchrun, workers  # noqa: E402
+from common.dist import free_port  # noqa: E402
+from common.launch import finish, kill_node, problems, start, torchrun, workers  # noqa: E402
 
 JOBS = {  # strategy -> (script, flags)
     "ddp": ("ddp/train.py", []),
@@ -52,6 +68,11 @@ STEPS, EVERY, BATCH = 24, 4, 12
 # Dropout on: only the per-rank RNG saved in each checkpoint then makes a resumed job bitwise equal.
 COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", 64, "--layers", 2, "--heads", 4, "--seq-len", 32,
           "--batch-size", BATCH, "--log-every", 1000, "--dropout", 0.1]
+# References keep every checkpoint: a job that lost a node is compared with one of them resumed.
+KEEP_ALL = ["--keep", STEPS // EVERY]
+# torchrun sets OMP_NUM_THREADS=1 only for more than one process per node. A job of one process per
+# node sums in other orders with more threads: where jobs of other shapes are compared, one thread.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # A hang is noticed when a peer's collective times out. ddp and fsdp shorten their collective timeout
 # once training runs (--hang-timeout-s, or 20 steps' time); the parameter server has its RPC timeout.
 # torchrun then waits 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
@@ -59,19 +80,24 @@ COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", 64, "--layers", 2, "
 HANG = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8]}
 HANG_DEFAULT = ["--hang-timeout-s", 5]
 KINDS = ["sigkill", "sigterm", "sigstop", "crash-at-step", "crash-in-save", "two-faults", "damage-newest",
-         "transient-read", "async-in-flight"]
+         "transient-read", "async-in-flight", "node-lost", "preempt"]
 SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
-RESTARTS = {"two-faults": 2, "damage-newest": 0, "transient-read": 0}  # torchrun restarts a fault causes; else 1
+# torchrun restarts a fault causes, else 1 (a preempted job is launched again: its count starts over)
+RESTARTS = {"two-faults": 2, "damage-newest": 0, "transient-read": 0, "preempt": 0}
 POLL_S = 0.005  # how often the metrics files are read while waiting for a step
 
 
 def applies(kind, strategy):
+    if kind in ("node-lost", "preempt"):  # the parameter server neither reshards nor saves on SIGTERM
+        return strategy != "rpc"
     return kind != "async-in-flight" or strategy == "fsdp-async"
 
 
 def processes(strategy, kind, ranks):
     if strategy == "rpc":
         return max(3, ranks + 1)  # a server and at least two trainers
+    if kind == "node-lost":
+        return 2 * ranks  # two nodes
     return max(2, ranks) if kind == "sigstop" else ranks  # a hang is noticed only by a peer
 
 
@@ -80,6 +106,8 @@ class Reference:
     digest: str
     step_s: float  # median step time of rank 0
     total_s: float  # launch to exit
+    run_dir: str
+    cold: dict  # the launch to the first step, in the phases of common.compare.phases
 
 
 @dataclass
@@ -100,8 +128,16 @@ class Trial:
     bad_loads: int = 0  # resumes from the damaged, hidden or torn checkpoint
     kept: Optional[bool] = None  # transient-read: the checkpoint's bytes are still on disk, under some name
     in_flight: Optional[bool] = None  # async-in-flight: the save had neither its save event nor its commit at the kill
-    detect_s: Optional[float] = None  # sigstop: from the SIGSTOP to the restart's start event
-    recovery_s: Optional[float] = None  # from the (last) fault to the first step after the last restart
+    resumed_step: Optional[int] = None  # the step the job resumed from after the (last) fault
+    # Recovery, from the (last) fault to the first step trained after it (common.compare.phases):
+    recovery_s: Optional[float] = None
+    detect_s: Optional[float] = None  # until the new workers' launch: detection, stopping, rendezvous
+    restart_s: Optional[float] = None  # the workers' launch to their first metrics line
+    load_s: Optional[float] = None  # the checkpoint load
+    first_step_s: Optional[float] = None  # the 'start' event to the end of the first step
+    replayed_steps: Optional[int] = None  # steps trained again
+    replay_s: Optional[float] = None  # the 'start' event until the last step before the fault is trained again
+    vs_cold_start: Optional[float] = None  # recovery_s over the reference's launch-to-first-step
     problems: list = field(default_factory=list)
     output_tail: str = ""
     passed: bool = False
@@ -147,10 +183,10 @@ class Watch:
                     and e["attempt"] == attempt), default=0)
 
 
-def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline):
+def at_step(proc, watch, rng, step, attempt, step_s, deadline, fault):
     """Once rank 0 has completed `step` in torchrun attempt `attempt`, wait a random fraction of a
-    step, then send `sig` to the worker of a random rank from `ranks`. Returns (time sent, the step
-    completed then), or None if the job was no longer training."""
+    step, then call `fault()` (True if it fired). Returns (time fired, the step completed then), or
+    None if the job was no longer training."""
     if watch.first(proc, deadline, "step", attempt, min_step=step) is None:
         return None
     try:
@@ -158,14 +194,21 @@ def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline
         return None
     except subprocess.TimeoutExpired:
         pass
-    pid, reached = workers(proc.pid, attempt).get(rng.choice(ranks)), watch.latest_step(attempt)
-    if pid is None or reached >= STEPS:  # training is over: the fault would not land in it
-        return None
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
+    reached = watch.latest_step(attempt)
+    if reached >= STEPS or not fault():  # training is over: the fault would not land in it
         return None
     return time.time(), reached
+
+
+def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline):
+    """at_step: send `sig` to the worker of a random rank from `ranks`."""
+    def send():
+        pid = workers(proc.pid, attempt).get(rng.choice(ranks))
+        try:
+            return pid is not None and os.kill(pid, sig) is None
+        except ProcessLookupError:
+            return False
+    return at_step(proc, watch, rng, step, attempt, step_s, deadline, send)
 
 
 def kill_in_flight(proc, rng, run_dir, ranks, saving, deadline):
@@ -275,12 +318,36 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         flags += ["--crash-in-save", damaged]
 
     # ------------------------------------------------------------------------- the job, and its faults
-    cmd, env = torchrun(script, nproc, run_dir, flags)
+    lost = None  # node-lost: node 1's agent; node 0 holds the rendezvous store, and survives
+    if kind == "node-lost":
+        endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
+        cmd, env = torchrun(script, nproc // 2, run_dir, flags, nnodes="1:2", endpoint=endpoint, rdzv_id=rdzv_id,
+                            is_host=True, env=ONE_THREAD)
+        lost = start(*torchrun(script, nproc // 2, run_dir, flags, nnodes="1:2", endpoint=endpoint,
+                               rdzv_id=rdzv_id, is_host=False, env=ONE_THREAD), log=f"{run_dir}-node1.log")
+    else:
+        cmd, env = torchrun(script, nproc, run_dir, flags)
     trial.command = " ".join(cmd)
     watch = Watch(run_dir)
     proc = start(cmd, env, log=f"{run_dir}.log")
     fault = None  # (time, step) of a signal sent
-    if kind in SIGNALS:  # a stopped rpc trainer is dropped by design (the digest then differs): stop the server
+    first_exit = preempted = None  # preempt: the first launch's exit code, and its 'preempted' event
+    if kind == "node-lost":  # after a step with a checkpoint before it
+        fault = at_step(proc, watch, rng, rng.randint(EVERY + 1, STEPS - 3), 0, ref.step_s, deadline,
+                        lambda: bool(kill_node(lost)))  # fired if it had workers
+        if fault is None:
+            kill_node(lost)  # the job ended first: no stray agent
+    elif kind == "preempt":  # SIGTERM to the agent, as a scheduler sends it; then the job is launched again
+        fault = at_step(proc, watch, rng, rng.randint(1, STEPS - 3), 0, ref.step_s, deadline,
+                        lambda: proc.send_signal(signal.SIGTERM) is None)
+        first_exit, output, _ = finish(proc, deadline)
+        preempted = next((e for e in watch.poll() if e["rank"] == 0 and e["event"] == "preempted"), None)
+        if fault is None or first_exit in (0, None) or preempted is None:
+            trial.problems.append(f"the first launch was not preempted (exit {first_exit})")
+            trial.output_tail = output[-3000:]
+            return trial
+        proc = start(cmd, env, log=f"{run_dir}-relaunch.log")
+    elif kind in SIGNALS:  # a stopped rpc trainer is dropped by design (the digest then differs): stop the server
         victims = [0] if strategy == "rpc" and kind == "sigstop" else range(nproc)
         fault = signal_at_step(proc, watch, rng, SIGNALS[kind], victims, rng.randint(1, STEPS - 3), 0,
                                ref.step_s, deadline)
@@ -305,12 +372,11 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
     trial.exit, trial.restarts, trial.recovered = code, summary.get("restarts"), bool(summary)
-    trial.digest_equal = summary.get("param_digest") == ref.digest
     trial.problems += ["hung"] if trial.hung else problems(run_dir, code, output, trial.expected_restarts)
     resumed = [e["resumed_from_step"] for e in ev if e["rank"] == 0 and e["event"] == "start"]
     trial.bad_loads = sum(damaged is not None and step == damaged for step in resumed)
     injected = "injected crash" in output
-    if kind in SIGNALS:
+    if kind in SIGNALS or kind in ("node-lost", "preempt"):
         trial.fired = fault is not None
     elif kind == "two-faults":
         trial.fired = injected and fault is not None
@@ -326,14 +392,32 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
     else:
         trial.fired = injected
     trial.fault_step = fault[1] if fault else damaged if kind == "crash-in-save" else crashed
+
+    # ------------------------------------------------------------------------- the recovery
     trained = [e["time"] for e in ev if e["attempt"] == 0 and e["event"] in ("step", "save")]
     fault_at = fault[0] if fault else max(trained, default=None)  # an injected crash: attempt 0's last step or save
-    last = [e["time"] for e in ev if e["rank"] == 0 and e["event"] == "step" and e["attempt"] == trial.expected_restarts]
-    if trial.expected_restarts and fault_at and last:
-        trial.recovery_s = min(last) - fault_at
-    restart = [e["time"] for e in ev if e["rank"] == 0 and e["event"] == "start" and e["attempt"] == 1]
-    if kind == "sigstop" and fault and restart:
-        trial.detect_s = restart[0] - fault[0]
+    if fault_at and (trial.expected_restarts or kind == "preempt"):  # a relaunch after damage: no fault time
+        after = [e for e in ev if e["rank"] == 0 and e["event"] == "start" and e["time"] > fault_at]
+        trial.resumed_step = after[0]["resumed_from_step"] if after else None
+        split = phases(ev, fault_at)
+        trial.recovery_s = split.get("total_s")
+        for key in ("detect_s", "restart_s", "load_s", "first_step_s", "replayed_steps", "replay_s"):
+            setattr(trial, key, split.get(key))
+        if trial.recovery_s and ref.cold.get("total_s"):
+            trial.vs_cold_start = trial.recovery_s / ref.cold["total_s"]
+    expected = ref.digest
+    if kind == "node-lost" and summary:  # the reference's checkpoint of the step resumed from, resumed alike
+        if summary["world_size"] != nproc // 2:
+            trial.problems.append(f"ended at world size {summary['world_size']}, not {nproc // 2}")
+        expected = resumed_reference(strategy, ref, nproc // 2, trial.resumed_step, f"{run_dir}-reference")
+    if kind == "preempt":  # no step lost: the one in progress at the signal was saved, and resumed from
+        done = max((e["step"] for e in ev if e["rank"] == 0 and e["event"] == "step"
+                    and e["time"] < preempted["signalled_at"]), default=0)
+        if not done <= preempted["step"] <= done + 1:
+            trial.problems.append(f"saved step {preempted['step']} for a signal after step {done}")
+        if trial.resumed_step != preempted["step"]:
+            trial.problems.append(f"resumed from step {trial.resumed_step}, not the preempted {preempted['step']}")
+    trial.digest_equal = summary.get("param_digest") == expected
     trial.passed = (trial.fired and trial.recovered and trial.digest_equal and not trial.bad_loads
                     and trial.kept is not False and not trial.problems)
     if not trial.passed:
@@ -346,15 +430,33 @@ def reference(strategy, nproc, out):
     script, extra = JOBS[strategy]
     run_dir = out / f"reference-{strategy}-{nproc}"
     launched = time.time()
-    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra]), log=f"{run_dir}.log")
+    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra, *KEEP_ALL]), log=f"{run_dir}.log")
     code, output, hung = finish(proc, launched + 600)
     wrong = ["no end after 600 s"] if hung else problems(run_dir, code, output, restarts=0)
     if wrong:  # every trial is compared with it: a reference that restarted or crashed proves nothing
         raise SystemExit(f"chaos: the reference {strategy} job ({nproc} processes) failed: {'; '.join(wrong)}\n"
                          f"{output[-3000:]}")
-    step_s = statistics.median(e["step_s"] for e in events(run_dir) if e["event"] == "step" and e["rank"] == 0)
+    ev = events(run_dir)
+    step_s = statistics.median(e["step_s"] for e in ev if e["event"] == "step" and e["rank"] == 0)
     digest = json.loads((run_dir / "summary.json").read_text())["param_digest"]
-    return Reference(digest, step_s, time.time() - launched)
+    return Reference(digest, step_s, time.time() - launched, str(run_dir), phases(ev, launched))
+
+
+def resumed_reference(strategy, ref, nproc, step, run_dir):
+    """The digest that a job which went on with `nproc` processes from its checkpoint of `step` must
+    end with: the reference's checkpoint of that step (none: a fresh start), resumed with `nproc`
+    processes. None if that job fails."""
+    script, extra = JOBS[strategy]
+    run_dir = Path(run_dir)
+    if step is not None:
+        saved = dict(checkpoints(Path(ref.run_dir) / "ckpt"))[step]
+        (run_dir / "ckpt").mkdir(parents=True)
+        (shutil.copytree if saved.is_dir() else shutil.copy2)(saved, run_dir / "ckpt" / saved.name)
+    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra, *KEEP_ALL], env=ONE_THREAD), log=f"{run_dir}.log")
+    code, output, hung = finish(proc, time.time() + 600)
+    if hung or problems(run_dir, code, output, restarts=0):
+        return None
+    return json.loads((run_dir / "summary.json").read_text())["param_digest"]
 
 
 # ----------------------------------------------------------------------------- the plan and the table
@@ -374,21 +476,42 @@ def drawn_plan(kinds, strategies, rng):
         yield strategy, rng.choice([k for k, ss in pairs if strategy in ss])
 
 
-def table(results, kinds):
-    def median_s(values):
-        values = [v for v in values if v is not None]
-        return f"{statistics.median(values):.1f} s" if values else "n/a"
+def median(values, unit=" s", digits=1):
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.{digits}f}{unit}" if values else "n/a"
 
+
+def table(results, kinds):
     rows = []
     for kind in kinds:
         rs = [r for r in results if r.kind == kind]
         if rs:
             rows.append([kind, len(rs), sum(r.fired for r in rs), sum(r.recovered for r in rs),
                          sum(r.restarts == r.expected_restarts for r in rs), sum(r.digest_equal for r in rs),
-                         sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median_s(r.recovery_s for r in rs),
-                         median_s(r.detect_s for r in rs) if kind == "sigstop" else ""])
+                         sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median(r.recovery_s for r in rs)])
     return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts as expected", "digest == reference",
-                                   "damaged loaded", "hangs", "median recovery", "sigstop detection"])
+                                   "damaged loaded", "hangs", "median recovery"])
+
+
+PHASES = ["detect_s", "restart_s", "load_s", "first_step_s", "replay_s"]
+
+
+def recovery_table(results, kinds, references):
+    """Medians per fault kind of the recovery's phases (common.compare.phases), then each reference's
+    cold start in the same phases: what a failure costs against a launch."""
+    rows = []
+    for kind in kinds:
+        rs = [r for r in results if r.kind == kind and r.recovery_s is not None]
+        if rs:
+            rows.append([kind, len(rs), median(r.recovery_s for r in rs),
+                         *(median(getattr(r, key) for r in rs) for key in PHASES),
+                         median((r.replayed_steps for r in rs), unit="", digits=0),
+                         median((r.vs_cold_start for r in rs), unit="", digits=2)])
+    for (strategy, nproc), ref in references.items():
+        rows.append([f"cold start: {strategy}, {nproc} processes", 1, median([ref.cold.get("total_s")]),
+                     *(median([ref.cold.get(key)]) for key in PHASES), "", ""])
+    return tabulate(rows, headers=["fault", "jobs", "recovery", "to workers' launch", "process start", "load",
+                                   "first step", "replay", "steps replayed", "/ cold start"])
 
 
 def main(argv=None):
@@ -416,6 +539,8 @@ def main(argv=None):
     if not planned:
         drawn = drawn_plan(kinds, strategies, random.Random(args.seed))
         planned = [next(drawn) for _ in range(args.trials)]
+    if any(k == "node-lost" for _, k in planned) and BATCH % (2 * args.ranks):
+        p.error(f"node-lost runs two nodes of --ranks processes: twice --ranks must divide the batch of {BATCH}")
     out, started = Path(args.out).resolve(), time.time()
     subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)
@@ -439,10 +564,14 @@ def main(argv=None):
             return r
 
         results = list(pool.map(trial, range(len(planned))))
-    (out / "results.json").write_text(json.dumps({"seed": args.seed, "argv": argv,
-                                                  "trials": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps({
+        "seed": args.seed, "argv": argv, "trials": [dataclasses.asdict(r) for r in results],
+        "references": [{"strategy": s, "processes": n, **dataclasses.asdict(ref)} for (s, n), ref in references.items()],
+    }, indent=2) + "\n")
     print(f"chaos: {len(results)} trials, seed {args.seed}, {time.time() - started:.0f} s")
     print(table(results, KINDS))
+    print(f"\nRecovery, median seconds from the fault (the phases: common.compare.phases)\n"
+          f"{recovery_table(results, KINDS, references)}")
     failed = [r for r in results if not r.passed]
     for r in failed:
         print(f"\nFAILED trial {r.trial} ({r.strategy}, {r.kind}): fired {r.fired}, {'; '.join(r.problems) or 'no problem'}"

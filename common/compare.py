@@ -37,7 +37,6 @@ STRATEGIES = {  # column -> (script, extra flags)
     "fsdp --async-save": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
 }
-SIZES = ["tiny", "small", "medium"]  # common.model.PRESETS; tiny -> medium spans 16x in parameters
 
 
 def events(run_dir):
@@ -50,6 +49,47 @@ def events(run_dir):
 def median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def phases(events, since):
+    """How long a job took to train again after the moment `since` (epoch seconds), split into what it
+    waited for, as rank 0's metrics show it; {} if no step followed a start after `since`. After a
+    fault, `since` is the fault's time; for a cold start, the launch of torchrun.
+
+      total_s         `since` to the end of the first step trained after it
+      detect_s        `since` to the launch of the new workers (the 'start' event's launched_at): the
+                      fault noticed (a failed collective, or the hang timeout), the old workers
+                      stopped, the rendezvous formed again; for a cold start, torchrun's own start
+      restart_s       the workers' launch to their first metrics line: imports, process group, model
+      load_s          the 'load' event's: reading the checkpoint resumed from
+      first_step_s    the 'start' event to the end of the first step
+      replayed_steps  steps trained again: the last step completed before `since` (after the
+                      previous 'start'), less the step resumed from
+      replay_s        the 'start' event until that step is completed again (0 if none)
+    """
+    rank0 = sorted((e for e in events if e["rank"] == 0), key=lambda e: e["time"])
+    steps = [e for e in rank0 if e["event"] == "step"]
+    start = next((e for e in rank0 if e["event"] == "start" and e["time"] > since), None)
+    first = next((e for e in steps if start and e["time"] > start["time"]), None)
+    if first is None:
+        return {}
+    workers_at = start.get("launched_at")
+    first_line = next((e["time"] for e in rank0 if workers_at and e["time"] >= workers_at), None)
+    load = [e["load_s"] for e in rank0 if e["event"] == "load" and since < e["time"] <= start["time"]]
+    previous = max((e["time"] for e in rank0 if e["event"] == "start" and e["time"] <= since), default=None)
+    resumed = start.get("resumed_from_step") or 0
+    trained = [e["step"] for e in steps if previous is not None and previous <= e["time"] <= since]
+    replayed = max(0, max(trained, default=resumed) - resumed)
+    again = next((e for e in steps if e["time"] > start["time"] and e["step"] >= resumed + replayed), first)
+    return {
+        "total_s": first["time"] - since,
+        "detect_s": workers_at - since if workers_at else None,
+        "restart_s": first_line - workers_at if workers_at and first_line else None,
+        "load_s": load[-1] if load else None,
+        "first_step_s": first["time"] - start["time"],
+        "replayed_steps": replayed,
+        "replay_s": again["time"] - start["time"] if replayed else 0.0,
+    }
 
 
 def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900):
@@ -128,9 +168,13 @@ def measure(clean, crashed, crash_step, world, strategy):
     cold = min(e["time"] for e in steps) - clean["launched"]
     loads = [e["load_s"] for e in ev if e["event"] == "load" and e["rank"] == 0]
     resumed = crashed["summary"]["resumed_from_step"]
+    split = phases(ev, crash_time)  # the same recovery, in its phases
     row.update({
         "load_s": loads[-1] if loads else None,
         "recovery_s": first_after - crash_time,
+        "recovery_detect_s": split.get("detect_s"),
+        "recovery_restart_s": split.get("restart_s"),
+        "replay_s": split.get("replay_s"),
         "cold_start_s": cold,
         "recovery_vs_cold_start": (first_after - crash_time) / cold,
         "steps_replayed": crash_step - resumed if resumed is not None else None,
@@ -220,6 +264,9 @@ MAIN_ROWS = [  # (label, key, format)
     ("save: blocking (loop waits)", "save_blocking_s", "ms"), ("save: total", "save_total_s", "ms"),
     ("save: write throughput", "write_bytes_per_s", "mibs"), ("save: throughput / plain fsync'd write", "write_vs_disk", "{:.2f}"),
     ("load on resume", "load_s", "ms"), ("recovery: crash to first step after restart", "recovery_s", "s"),
+    ("recovery: crash to the new workers' launch", "recovery_detect_s", "s"),
+    ("recovery: process start (imports, group, model)", "recovery_restart_s", "s"),
+    ("recovery: replaying the lost steps", "replay_s", "s"), ("cold start: launch to first step", "cold_start_s", "s"),
     ("recovery / cold start", "recovery_vs_cold_start", "{:.2f}"), ("steps replayed", "steps_replayed", "{}"),
     ("resumed digest == uninterrupted", "resumed_digest_equal", "yesno"), ("final loss", "final_loss", "{:.4f}"),
 ]

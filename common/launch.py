@@ -20,13 +20,27 @@ from common.dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script, nproc, run_dir, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None):
+# An elastic job (--nnodes MIN:MAX) re-forms without a lost node. c10d's defaults make that slow: a
+# node is dropped from the rendezvous only after keep_alive_max_attempt missed heartbeats, one every
+# keep_alive_interval s (default 3 x 5 s), and a round that has MIN nodes waits last_call_timeout s
+# (default 30) for more before it completes. The same wait is what lets all the nodes of a first
+# launch meet in one round: it must outlast the spread of the agents' start times.
+ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
+
+
+def torchrun(script, nproc, run_dir, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
+             is_host=None):
     """(command, environment) running `script --run-dir run_dir flags` under torchrun. The rendezvous
     is on a free port of this machine, unless the agents of one job on several nodes share `endpoint`
-    (host:port) and `rdzv_id`."""
+    (host:port) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (ELASTIC_RDZV_CONF). Agents on
+    one machine all match the endpoint's host: is_host=True/False says which one holds the rendezvous
+    store, which dies with it (a job survives the loss of any node but that one)."""
+    conf = [ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
+    conf += [f"is_host={int(is_host)}"] if is_host is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={endpoint or f'localhost:{free_port()}'}", f"--rdzv-id={rdzv_id or uuid.uuid4().hex[:8]}",
+           *([f"--rdzv-conf={','.join(conf)}"] if conf else []),
            str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
     return cmd, {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
 
@@ -73,16 +87,31 @@ def problems(run_dir, code, output, restarts=0):
     return wrong
 
 
-def workers(agent_pid, attempt):
-    """{rank: pid} of the workers torchrun's agent runs in `attempt` (its children, by their environment)."""
+def workers(agent_pid, attempt=None):
+    """{rank: pid} of the workers torchrun's agent runs in `attempt` (its children, by their environment;
+    attempt None: whatever their attempt)."""
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
                 continue
             env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            if env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
+            if attempt is None or env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
                 found[int(env["RANK"])] = int(proc.name)
         except (OSError, ValueError, KeyError, IndexError):  # gone meanwhile, or not a worker
             continue
+    return found
+
+
+def kill_node(agent):
+    """Lose a node whole, as a power cut would: SIGKILL its torchrun agent (a process from start()) and
+    the workers it runs. They are found first: torchrun starts them in sessions of their own, so
+    killing the agent's process group alone would leave them training. Returns their {rank: pid}."""
+    found = workers(agent.pid)
+    for kill, pid in [(os.killpg, agent.pid), *((os.kill, pid) for pid in found.values())]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    agent.wait()
     return found

@@ -13,7 +13,6 @@ and restarted job ends with exactly the weights of one that never crashed. A los
 finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
 """
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
+LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, crash, first_attempt, print0, restarts, set_collective_timeout,
-                         setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
+                         set_collective_timeout, setup, teardown)
 from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import CommTimer, Monitor, device_name, memory, mfu, state_bytes
 
@@ -99,7 +99,7 @@ def lr_at(cfg, step):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    rank, local_rank, world, device = setup(cfg.device, cfg.timeout_s)
+    rank, world, device = setup(cfg.device, cfg.timeout_s)
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +157,7 @@ def main(cfg):
         else:
             seed_rng(cfg.seed, rank)
             print0("no checkpoint, starting fresh")
-        monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
         # DDP regroups its all-reduce buckets after the first step, in the order gradients became ready.
         # A resumed job would run its first step on the initial buckets, and with more than 2 ranks the
@@ -258,4 +258,4 @@ def main(cfg):
 
 if __name__ == "__main__":
     main(parse_config(Config, check))
-    gc.freeze()  # exiting: spare Python's final collection over torch's objects (1.2 s of CPU a process here)
+    exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

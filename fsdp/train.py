@@ -17,7 +17,6 @@ that did not load are moved aside, never deleted. A loss that is not finite stop
 """
 import dataclasses
 import datetime
-import gc
 import json
 import math
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
+LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
 
 import torch
 import torch.distributed as dist
@@ -46,8 +46,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, crash, first_attempt, print0, restarts, set_collective_timeout,
-                         setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
+                         set_collective_timeout, setup, teardown)
 from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
@@ -216,7 +216,7 @@ class TornWriter(dcp.FileSystemWriter):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    rank, local_rank, world, device = setup(cfg.device, cfg.timeout_s)
+    rank, world, device = setup(cfg.device, cfg.timeout_s)
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -304,7 +304,7 @@ def main(cfg):
             for _, p in checkpoints(ckpt_dir, committed=False):
                 remove(p)
                 print(f"removed {p.name} (never committed)", flush=True)
-        monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
         # An async save first copies the shards into CPU buffers (staging), then writes those in a
         # thread. Where the torch version allows, one stager for the whole run keeps its buffers, a CPU
@@ -446,4 +446,4 @@ def main(cfg):
 
 if __name__ == "__main__":
     main(parse_config(Config, check))
-    gc.freeze()  # exiting: spare Python's final collection over torch's objects (1.2 s of CPU a process here)
+    exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

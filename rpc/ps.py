@@ -20,7 +20,6 @@ server (torchrun itself still waits for a frozen process to end). A loss that is
 the job before it saves.
 """
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
+LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
 
 import torch
 import torch.distributed.rpc as rpc
@@ -43,7 +43,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import crash, first_attempt, pick_device, print0, refuse_unsafe_restarts, restarts
+from common.dist import (crash, exit_without_finalizing, first_attempt, pick_device, print0, refuse_unsafe_restarts,
+                         restarts)
 from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
 from common.monitor import Monitor, memory, mfu, state_bytes
 
@@ -358,7 +359,7 @@ def main(cfg):
         else:
             seed_rng(cfg.seed, rank)
             print0("no checkpoint, starting fresh")
-        monitor.event("start", resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
         # --------------------------------------------------------------------- checkpoint (server)
         def after_update(step):
@@ -415,7 +416,7 @@ def main(cfg):
     else:
         # --------------------------------------------------------------------- train (trainers)
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
-        monitor.event("start", restarts=restarts(), world_size=world)
+        monitor.event("start", launched_at=LAUNCHED_AT, restarts=restarts(), world_size=world)
         reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
         while reply.stop is None and reply.step < cfg.steps:
             step = reply.step
@@ -461,4 +462,4 @@ def main(cfg):
 
 if __name__ == "__main__":
     main(parse_config(Config, check))
-    gc.freeze()  # exiting: spare Python's final collection over torch's objects (1.2 s of CPU a process here)
+    exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

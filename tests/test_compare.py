@@ -9,7 +9,10 @@ from conftest import run_sh
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    proc = run_sh("compare", 4, "--quick", "--format", "markdown", "--out", out, timeout=600)
+    # The parameter server's columns are left out here (they cost two 4-process jobs): tests/test_rpc.py
+    # checks its crashes; `bash run.sh compare 4` measures it.
+    proc = run_sh("compare", 4, "--quick", "--strategies", "ddp,fsdp,fsdp --async-save", "--format", "markdown",
+                  "--out", out, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| model state / rank (measured)" in proc.stdout  # the table was printed
     assert "running fsdp --async-save tiny crash" in proc.stderr  # a progress line per run
@@ -17,7 +20,7 @@ def results(tmp_path_factory):
 
 
 def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(results):
-    assert set(results["main"]) == {"ddp", "fsdp", "fsdp --async-save", "rpc"}
+    assert set(results["main"]) == {"ddp", "fsdp", "fsdp --async-save"}
     for strategy, row in results["main"].items():
         assert row["resumed_digest_equal"], strategy
         assert row["steps_replayed"] > 0 and row["recovery_s"] > 0 and row["load_s"] > 0

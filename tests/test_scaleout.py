@@ -1,16 +1,32 @@
-"""Several nodes on one machine: two torchrun agents meeting at one c10d rendezvous, as two nodes would;
-and the cluster launch files the README gives."""
+"""Several nodes on one machine: torchrun agents meeting at one c10d rendezvous, as nodes would (a fixed
+pair; an elastic job that loses a node, and one that gains one); and the cluster launch files the README
+gives."""
+import json
 import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
 
 import yaml
 
+from common.compare import phases
 from common.dist import free_port
-from common.launch import finish, start, torchrun as torchrun_command
-from conftest import REPO, SMALL, metrics, summary, torchrun
+from common.launch import finish, kill_node, start, torchrun as torchrun_command
+from conftest import REPO, SMALL, metrics, summary, torchrun, wait_for_step
+
+
+def nodes(script, nproc, run_dir, flags, nnodes):
+    """A function that starts node `n` of one job on this machine: a torchrun agent with `nproc` workers,
+    all at one endpoint and id. Node 0 holds the rendezvous store (its loss ends the job, as the loss of
+    the endpoint's machine would); its log is <run_dir>-node<n>.log."""
+    endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
+
+    def start_node(node):
+        return start(*torchrun_command(script, nproc, run_dir, flags, nnodes=nnodes, endpoint=endpoint,
+                                       rdzv_id=rdzv_id, is_host=node == 0), log=f"{run_dir}-node{node}.log")
+    return start_node
 
 
 def two_nodes(script, nproc, run_dir, *flags, restarts=0, timeout=300):
@@ -18,9 +34,8 @@ def two_nodes(script, nproc, run_dir, *flags, restarts=0, timeout=300):
     check them as conftest.torchrun checks one node. Only the failing node's agent counts a restart (the
     other one restarts its workers for the new membership, uncounted), so `restarts` is the count of
     the rank that counted most; summary.json, written by rank 0, may come from either node."""
-    endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
-    agents = [start(*torchrun_command(script, nproc, run_dir, flags, nnodes=2, endpoint=endpoint, rdzv_id=rdzv_id),
-                    log=f"{run_dir}-node{node}.log") for node in range(2)]
+    start_node = nodes(script, nproc, run_dir, flags, nnodes=2)
+    agents = [start_node(node) for node in range(2)]
     deadline = time.time() + timeout
     ended = [finish(agent, deadline) for agent in agents]  # (exit code, output, hung) per node
     outputs = [output for _, output, _ in ended]
@@ -33,7 +48,7 @@ def two_nodes(script, nproc, run_dir, *flags, restarts=0, timeout=300):
     return outputs
 
 
-def test_worker_killed_on_one_node_both_resume_then_one_node_resumes_alone(tmp_path, fsdp_four_ranks):
+def test_worker_killed_on_one_node_both_nodes_resume_bitwise(tmp_path, fsdp_four_ranks):
     reference = fsdp_four_ranks  # the same job on one node, uninterrupted
     run = tmp_path / "two-nodes"
     # c10d orders the nodes by their agents, so ranks 2-3 share a node: kill rank 3 there. Its agent
@@ -43,11 +58,65 @@ def test_worker_killed_on_one_node_both_resume_then_one_node_resumes_alone(tmp_p
     assert [e["step"] for r in range(4) for e in metrics(run, r, "load")] == [8, 8, 8, 8]
     assert summary(run)["world_size"] == 4
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
-    # The same checkpoint on one node with 2 ranks: resharded, exactly the saved weights.
-    shutil.copytree(run / "ckpt", tmp_path / "one-node" / "ckpt")
-    proc = torchrun("fsdp/train.py", 2, tmp_path / "one-node", *SMALL)
-    assert "resharded from 4 to 2 ranks" in proc.stdout and "resuming from step 16" in proc.stdout
-    assert summary(tmp_path / "one-node")["param_digest"] == summary(reference)["param_digest"]
+
+
+def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_path, fsdp_four_ranks):
+    # An elastic job (--nnodes 1:2) of two nodes with 2 ranks each; after step 9 one node is lost whole,
+    # its agent and its workers SIGKILLed at once. The survivor's workers fail on their next collective,
+    # its agent restarts them (its restart 1) and forms the rendezvous alone once the lost node's
+    # heartbeats have lapsed: 2 ranks, resharded from the last commit, step 8.
+    run = tmp_path / "elastic"
+    start_node = nodes("fsdp/train.py", 2, run, SMALL, nnodes="1:2")
+    survivor, lost = start_node(0), start_node(1)
+    assert wait_for_step(run, 9, survivor), "the job ended before step 9: the node was never lost"
+    kill_node(lost)
+    lost_at = time.time()
+    code, output, hung = finish(survivor, lost_at + 120)
+    assert code == 0 and not hung, output[-6000:]
+    after = [e for r in range(2) for e in metrics(run, r) if e["time"] > lost_at]
+    assert {(e["world_size"], e["resumed_from_step"], e["restarts"]) for e in after if e["event"] == "start"} == {(2, 8, 1)}
+    assert {(e["from_world_size"], e["world_size"]) for e in after if e["event"] == "reshard"} == {(4, 2)}
+    assert (summary(run)["world_size"], summary(run)["steps"]) == (2, 16)
+    # Exactly the uninterrupted 4-rank job's step 8, resumed at 2 ranks.
+    reference = tmp_path / "reference"
+    shutil.copytree(fsdp_four_ranks / "ckpt" / "step-00000008", reference / "ckpt" / "step-00000008")
+    proc = torchrun("fsdp/train.py", 2, reference, *SMALL)
+    assert "resharded from 4 to 2 ranks" in proc.stdout and "resuming from step 8" in proc.stdout
+    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
+    # The node's loss to the first step at 2 ranks: the settings that bound it are in common.launch.
+    split = phases([e for r in range(2) for e in metrics(run, r)], lost_at)
+    print(f"node lost -> first step at 2 ranks: {split}")
+    assert split["replayed_steps"] >= 1 and split["total_s"] <= 30, split
+
+
+def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
+    # One node of an elastic job (--nnodes 1:2) trains alone; a second one starts after step 5. torchrun
+    # admits it only in a new rendezvous round: the first node's agent sees it waiting, stops its
+    # workers with SIGTERM (uncounted: a membership change, not a failure), they save the step in
+    # progress, and both nodes go on with 4 ranks from that step. Then both are preempted.
+    run = tmp_path / "grow"
+    start_node = nodes("fsdp/train.py", 2, run, [*SMALL, "--steps", 10_000, "--save-every", 10_000], nnodes="1:2")
+    first = start_node(0)
+    assert wait_for_step(run, 5, first), "the job ended before step 5"
+    second, added_at = start_node(1), time.time()
+    trained_at_4 = False
+    while not trained_at_4 and first.poll() is None and time.time() < added_at + 120:
+        lines = (run / "metrics-rank0.jsonl").read_text().splitlines()
+        rows = [e for e in map(json.loads, (line for line in lines if line.endswith("}"))) if e["time"] > added_at]
+        four = [e["time"] for e in rows if e["event"] == "start" and e["world_size"] == 4]
+        trained_at_4 = bool(four) and any(e["event"] == "step" and e["time"] > four[0] for e in rows)
+        time.sleep(0.05)  # watching the metrics file for the first step at 4 ranks
+    assert trained_at_4, "no step at 4 ranks within 120 s of the second node's start"
+    for agent in (first, second):
+        agent.send_signal(signal.SIGTERM)
+    ended = [finish(agent, time.time() + 60) for agent in (first, second)]
+    assert all(code not in (0, None) for code, _, _ in ended), [output[-3000:] for _, output, _ in ended]
+    starts = [e for e in metrics(run, 0, "start") if e["time"] > added_at]
+    grown = metrics(run, 0, "preempted")[0]  # the step the first node's workers saved for the membership change
+    assert [(e["world_size"], e["resumed_from_step"], e["restarts"]) for e in starts] == [(4, grown["step"], 0)]
+    assert [(e["from_world_size"], e["world_size"]) for e in metrics(run, 0, "reshard")] == [(2, 4)]
+    assert len(metrics(run, 0, "preempted")) == 2  # the membership change, then the preemption at 4 ranks
+    print(f"node added -> first step at 4 ranks: {phases(metrics(run, 0), added_at)}")
 
 
 def readme_block(language, marker):
