@@ -64,7 +64,10 @@ JOBS = {  # strategy -> (script, flags)
     "fsdp-async": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
 }
-STEPS, EVERY, BATCH = 24, 4, 12
+STEPS, EVERY, BATCH = 48, 8, 12
+# A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
+# faults are drawn at least MARGIN steps before the end (a tiny job's step takes a few ms here).
+MARGIN = 16
 # Dropout on: only the per-rank RNG saved in each checkpoint then makes a resumed job bitwise equal.
 COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", 64, "--layers", 2, "--heads", 4, "--seq-len", 32,
           "--batch-size", BATCH, "--log-every", 1000, "--dropout", 0.1]
@@ -201,9 +204,14 @@ def at_step(proc, watch, rng, step, attempt, step_s, deadline, fault):
 
 
 def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline):
-    """at_step: send `sig` to the worker of a random rank from `ranks`."""
+    """at_step: send `sig` to the worker of a random rank from `ranks`. The worker is looked up once its
+    attempt has started, before the step: reading /proc takes longer than a step of a small job."""
+    rank = rng.choice(ranks)
+    if watch.first(proc, deadline, "start", attempt) is None:
+        return None
+    pid = workers(proc.pid, attempt).get(rank)
+
     def send():
-        pid = workers(proc.pid, attempt).get(rng.choice(ranks))
         try:
             return pid is not None and os.kill(pid, sig) is None
         except ProcessLookupError:
@@ -311,7 +319,7 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         else:
             damaged, hidden, original = hide_newest(run_dir, rng)
     elif kind in ("crash-at-step", "two-faults"):  # two-faults leaves room for a second fault after the resume
-        crashed = rng.randint(1, STEPS - (4 if kind == "two-faults" else 1))
+        crashed = rng.randint(1, STEPS - (2 * MARGIN if kind == "two-faults" else 1))
         flags += ["--crash-at-step", crashed, "--crash-rank", crash_rank]
     elif kind == "crash-in-save":
         damaged = rng.randrange(EVERY, STEPS, EVERY)
@@ -333,12 +341,12 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
     fault = None  # (time, step) of a signal sent
     first_exit = preempted = None  # preempt: the first launch's exit code, and its 'preempted' event
     if kind == "node-lost":  # after a step with a checkpoint before it
-        fault = at_step(proc, watch, rng, rng.randint(EVERY + 1, STEPS - 3), 0, ref.step_s, deadline,
+        fault = at_step(proc, watch, rng, rng.randint(EVERY + 1, STEPS - MARGIN), 0, ref.step_s, deadline,
                         lambda: bool(kill_node(lost)))  # fired if it had workers
         if fault is None:
             kill_node(lost)  # the job ended first: no stray agent
     elif kind == "preempt":  # SIGTERM to the agent, as a scheduler sends it; then the job is launched again
-        fault = at_step(proc, watch, rng, rng.randint(1, STEPS - 3), 0, ref.step_s, deadline,
+        fault = at_step(proc, watch, rng, rng.randint(1, STEPS - MARGIN), 0, ref.step_s, deadline,
                         lambda: proc.send_signal(signal.SIGTERM) is None)
         first_exit, output, _ = finish(proc, deadline)
         preempted = next((e for e in watch.poll() if e["rank"] == 0 and e["event"] == "preempted"), None)
@@ -349,14 +357,14 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         proc = start(cmd, env, log=f"{run_dir}-relaunch.log")
     elif kind in SIGNALS:  # a stopped rpc trainer is dropped by design (the digest then differs): stop the server
         victims = [0] if strategy == "rpc" and kind == "sigstop" else range(nproc)
-        fault = signal_at_step(proc, watch, rng, SIGNALS[kind], victims, rng.randint(1, STEPS - 3), 0,
+        fault = signal_at_step(proc, watch, rng, SIGNALS[kind], victims, rng.randint(1, STEPS - MARGIN), 0,
                                ref.step_s, deadline)
     elif kind == "two-faults":  # the second: a SIGKILL at a step drawn from those the restart has left
         restart = watch.first(proc, deadline, "start", 1)
         if restart is not None:
             resumed = restart["resumed_from_step"] or 0
             fault = signal_at_step(proc, watch, rng, signal.SIGKILL, range(nproc),
-                                   rng.randint(resumed + 1, STEPS - 3), 1, ref.step_s, deadline)
+                                   rng.randint(resumed + 1, STEPS - MARGIN), 1, ref.step_s, deadline)
     elif kind == "transient-read":  # readable again once the relaunch has chosen where to resume
         if watch.first(proc, deadline, "start", 0) is not None:
             place = put_back(hidden, original)

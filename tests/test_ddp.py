@@ -263,10 +263,12 @@ def test_sigterm_to_torchrun_saves_the_step_in_progress_and_the_relaunch_ends_bi
     assert len(preempted) == 1 and 20 <= preempted[0]["step"] < 300, output[-3000:]
     step = preempted[0]["step"]
     assert "preempted (SIGTERM): step" in output and checkpoints(run_dir / "ckpt")[0][0] == step
-    # The step saved is the one in progress when the first worker got the signal, not one later.
+    # The step saved is the one in progress when the first worker got the signal, not one later. A step's
+    # line is logged just after the ranks agreed on it, so a signal can fall between the agreement on
+    # step s and its line: then s + 1, two past the last line before the signal, is the one in progress.
     signalled = min(e["signalled_at"] for r in (0, 1) for e in metrics(run_dir, r, "preempted"))
-    done_before = [e["step"] for e in metrics(run_dir, 0, "step") if e["time"] < signalled]
-    assert step - max(done_before, default=0) <= 1
+    logged_before = [e["step"] for e in metrics(run_dir, 0, "step") if e["time"] < signalled]
+    assert 1 <= step - max(logged_before, default=0) <= 2
     proc = torchrun(SCRIPT, 2, run_dir, *flags)
     assert f"resuming from step {step}" in proc.stdout
     assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]
