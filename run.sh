@@ -20,12 +20,13 @@ usage() {
 }
 
 # Training imports torch (FSDP2's fully_shard, DCP's async staging) and numpy; the test, compare and
-# chaos modes also need tabulate, pytest and pyyaml. The import that shows each one is there:
+# chaos modes also need tabulate, pytest, pyyaml and matplotlib. The import that shows each one is there:
 declare -A CHECK=(
   [torch]="from torch.distributed.fsdp import fully_shard; from torch.distributed.checkpoint.staging import DefaultStager"
-  [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest" [pyyaml]="import yaml")
+  [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest" [pyyaml]="import yaml"
+  [matplotlib]="import matplotlib")
 TRAIN=(torch numpy)
-TEST=(torch numpy tabulate pytest pyyaml)
+TEST=(torch numpy tabulate pytest pyyaml matplotlib)
 
 # missing PYTHON PACKAGE...: prints the packages that PYTHON cannot import (all of them if it does not run).
 missing() {
@@ -67,7 +68,7 @@ compat() {
   local version=${TORCH_VERSION:-$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)}
   [ -n "$version" ] || { echo "run.sh: no torch>=X.Y line in requirements.txt: set TORCH_VERSION" >&2; exit 2; }
   local venv=.venv-torch-$version
-  if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, yaml" &>/dev/null; then
+  if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, yaml, matplotlib" &>/dev/null; then
     echo "run.sh: installing torch==$version and the rest of requirements.txt into $venv (once)" >&2
     "${PYTHON:-python3}" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$version" \

@@ -10,6 +10,7 @@ scripts wrote (metrics-rank<r>.jsonl, summary.json, the checkpoint folder); none
 theoretical model-state figure is printed next to the measured one, labelled as such.
 """
 import csv
+import importlib.util
 import io
 import json
 import math
@@ -198,6 +199,8 @@ def main(argv=None):
     unknown = [s for s in strategies + args.sizes.split(",") if s not in STRATEGIES and s not in PRESETS]
     if args.nproc < 2 or unknown:
         p.error(f"unknown strategy or size: {', '.join(unknown)}" if unknown else "needs at least 2 processes")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib (bash run.sh compare installs it into .venv)")
     steps = args.steps or (12 if args.quick else 30)
     save_every, crash_step = steps // 3, steps // 3 + steps // 6 + 1  # the crash replays a few steps
     main_size = "tiny"
@@ -213,7 +216,7 @@ def main(argv=None):
     def job(strategy, size, crash):
         script, extra = STRATEGIES[strategy]
         name = f"{strategy} {size}{' crash' if crash else ''}"
-        run_dir = out / f"{strategy.replace(' --', '-')}-{size}{'-crash' if crash else ''}"
+        run_dir = out / run_name(strategy, size, crash)
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch,
                  "--log-every", 1000, "--preset", size, *extra]
@@ -307,42 +310,75 @@ def render(results, form):
     return text
 
 
+def run_name(strategy, size, crash):
+    """The folder of one job under --out, e.g. fsdp-async-save-tiny-crash."""
+    return f"{strategy.replace(' --', '-')}-{size}{'-crash' if crash else ''}"
+
+
 def plot(results, out, folder, log):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("--plot needs matplotlib (pip install matplotlib); no figures written")
-        return
+    """Three figures from the jobs' own metrics: loss.png (per strategy, the uninterrupted and the crashed
+    run's loss, the crash and the step resumed from marked), memory.png (per strategy, each rank's peak
+    memory and its model state over the steps of the uninterrupted run), saves.png (save blocking and
+    total time against model size)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no screen
+    import matplotlib.pyplot as plt
     folder.mkdir(parents=True, exist_ok=True)
-    size = results["meta"]["main_size"]
-    fig, axes = plt.subplots(1, len(results["main"]), figsize=(4 * len(results["main"]), 3), squeeze=False)
-    for ax, strategy in zip(axes[0], results["main"]):
-        for suffix, label in (("", "uninterrupted"), ("-crash", "crashed and resumed")):
-            ev = events(out / f"{strategy.replace(' --', '-')}-{size}{suffix}")
-            pts = sorted((e["time"], e["step"], e["loss"]) for e in ev if e["event"] == "step" and e["rank"] == 0)
-            ax.plot([p[1] for p in pts], [p[2] for p in pts], "." if suffix else "-", label=label)
-        ax.axvline(results["meta"]["crash_at_step"], color="red", lw=0.8, label="crash")
+    meta, strategies = results["meta"], list(results["main"])
+
+    def per_strategy(title):
+        fig, axes = plt.subplots(1, len(strategies), figsize=(4 * len(strategies), 3.2), squeeze=False, sharey=True)
+        fig.suptitle(title, fontsize=10)
+        return fig, axes[0]
+
+    fig, axes = per_strategy(f"loss, {meta['world_size']} ranks, model {meta['main_size']}")
+    for ax, strategy in zip(axes, strategies):
+        for crash, style, label in ((False, "-", "uninterrupted"), (True, ".", "crashed and resumed")):
+            steps = [e for e in events(out / run_name(strategy, meta["main_size"], crash))
+                     if e["event"] == "step" and e["rank"] == 0]
+            ax.plot([e["step"] for e in steps], [e["loss"] for e in steps], style, label=label)
+        ax.axvline(meta["crash_at_step"], color="red", lw=0.8, label="crash")
         replayed = results["main"][strategy]["steps_replayed"] or 0
-        ax.axvline(results["meta"]["crash_at_step"] - replayed, color="green", lw=0.8, label="resumed from")
-        ax.set(title=strategy, xlabel="step", ylabel="loss")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(folder / "loss.png")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for strategy in results["main"]:
-        sizes = list(results["growth"])
-        params = [results["growth"][s][strategy]["params"] for s in sizes]
-        axes[0].plot(params, [results["growth"][s][strategy]["save_total_s"] for s in sizes], "o-", label=strategy)
-        axes[1].plot(params, [results["growth"][s][strategy]["state_bytes_per_rank"] / 2**20 for s in sizes],
-                     "o-", label=strategy)
-    axes[0].set(xscale="log", xlabel="parameters", ylabel="total save time (s)")
-    axes[1].set(xscale="log", xlabel="parameters", ylabel="model state per rank (MiB)")
+        ax.axvline(meta["crash_at_step"] - replayed, color="green", lw=0.8, label="resumed from")
+        ax.set(title=strategy, xlabel="step")
+    axes[0].set(ylabel="loss")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(folder / "growth.png")
-    log(f"wrote {folder / 'loss.png'} and {folder / 'growth.png'}")
+    fig.savefig(folder / "loss.png")
+
+    fig, axes = plt.subplots(2, len(strategies), figsize=(4 * len(strategies), 5.5), squeeze=False, sharey="row")
+    fig.suptitle("memory per rank over the uninterrupted run", fontsize=10)
+    for column, strategy in enumerate(strategies):
+        steps = [e for e in events(out / run_name(strategy, meta["main_size"], False)) if e["event"] == "step"]
+        for rank in sorted({e["rank"] for e in steps}):
+            mine = [e for e in steps if e["rank"] == rank]
+            x = [e["step"] for e in mine]
+            axes[0][column].plot(x, [(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") or 0) / 2**20 for e in mine],
+                                 label=f"rank {rank}")
+            axes[1][column].plot(x, [(e.get("state_bytes") or 0) / 2**20 for e in mine], label=f"rank {rank}")
+        axes[0][column].set(title=strategy)
+        axes[1][column].set(xlabel="step")
+    for ax in axes.flat:
+        ax.set_ylim(0, 1.1 * ax.get_ylim()[1])  # after every line is drawn: the rows share their scale
+    axes[0][0].set(ylabel="peak MiB (CUDA or RSS)")
+    axes[1][0].set(ylabel="model state MiB")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "memory.png")
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    sizes = list(results["growth"])
+    for strategy in strategies:
+        params = [results["growth"][s][strategy]["params"] for s in sizes]
+        line, = ax.plot(params, [results["growth"][s][strategy]["save_blocking_s"] * 1000 for s in sizes], "o-",
+                        label=f"{strategy}: loop blocked")
+        ax.plot(params, [results["growth"][s][strategy]["save_total_s"] * 1000 for s in sizes], "x--",
+                color=line.get_color(), label=f"{strategy}: save total")
+    ax.set(xscale="log", xlabel="parameters", ylabel="ms per save", title=f"saves, {meta['world_size']} ranks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "saves.png")
+    log(f"wrote {folder / 'loss.png'}, {folder / 'memory.png'} and {folder / 'saves.png'}")
 
 
 if __name__ == "__main__":

@@ -55,34 +55,34 @@ def make_parser(cls, prog=None):
     return p
 
 
-def parse_config(cls, check=None, argv=None, prog=None):
-    """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error."""
+def parse_config(cls, check=None, argv=None, prog=None, presets=None):
+    """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error.
+
+    `presets` maps a name to field values: `--preset NAME` replaces those fields, whatever flags say."""
     parser = make_parser(cls, prog=prog)
     cfg = cls(**vars(parser.parse_args(argv)))
-    if getattr(cfg, "preset", ""):  # a named model shape replaces the shape flags
-        from common.model import PRESETS
-        if cfg.preset not in PRESETS:
-            parser.error(f"--preset {cfg.preset}: choose from {', '.join(PRESETS)}")
-        cfg = dataclasses.replace(cfg, **PRESETS[cfg.preset])
+    if getattr(cfg, "preset", ""):
+        if cfg.preset not in (presets or {}):
+            parser.error(f"--preset {cfg.preset}: choose from {', '.join(presets or {})}")
+        cfg = dataclasses.replace(cfg, **presets[cfg.preset])
     for problem in (check(cfg) if check else []):
         parser.error(problem)
     return cfg
 
 
-# The valid values of every numeric flag of the three scripts, by field name: (rule, test). Checked
-# before any worker starts; tests/test_common.py tries a value outside each range, for every field of
-# every script's Config, so a new numeric flag must be listed here. None is valid where it is the
-# default (an optional fault). NaN fails every rule.
+# The valid values of every numeric training flag of the three scripts, by field name: (rule, test);
+# the model's flags have theirs in common/model.py. Checked before any worker starts;
+# tests/test_common.py tries a value outside each range, for every field of every script's Config, so
+# a new numeric flag must be listed here or there. None is valid where it is the default (an optional
+# fault). NaN fails every rule.
 POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
 ANY_INT = ("any integer", lambda v: True)
 RANGES = {
-    "steps": POSITIVE, "save_every": POSITIVE, "keep": POSITIVE, "seed": NON_NEGATIVE, "vocab": POSITIVE,
-    "seq_len": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE, "dropout": FRACTION,
-    "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
+    "steps": POSITIVE, "save_every": POSITIVE, "keep": POSITIVE, "seed": NON_NEGATIVE, "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
     "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": POSITIVE, "hang_timeout_s": POSITIVE,
-    "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE,
+    "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
     "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
 }
 CHOICES = {"device": ("auto", "cpu", "cuda")}
@@ -100,19 +100,21 @@ def writable(folder, create=True):
     return None
 
 
+def range_problems(cfg, ranges):
+    """'--flag must be > 0, got -1' for each field of `cfg` named in `ranges` whose value breaks its rule."""
+    problems = []
+    for name, (rule, ok) in ranges.items():
+        value = getattr(cfg, name, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            problems.append(f"--{name.replace('_', '-')} {rule}, got {value}")
+    return problems
+
+
 def common_problems(cfg, data_ranks):
     """Problems with the flags every script shares; `data_ranks` is how many ranks split the batch."""
-    problems = []
-    for f in dataclasses.fields(cfg):
-        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            rule, ok = RANGES[f.name]
-            if not (math.isfinite(value) and ok(value)):
-                problems.append(f"{flag} {rule}, got {value}")
-        elif f.name in CHOICES and value not in CHOICES[f.name]:
-            problems.append(f"{flag} {value}: choose from {', '.join(CHOICES[f.name])}")
-    if not problems and cfg.dim % cfg.heads:
-        problems.append(f"--heads {cfg.heads} does not divide --dim {cfg.dim}")
+    problems = range_problems(cfg, RANGES)
+    problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
+                 for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
     if not problems and cfg.batch_size % data_ranks:
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                         f"{data_ranks} ranks; it is kept fixed across world sizes so that a resume sees the "
@@ -168,6 +170,6 @@ if __name__ == "__main__":
     script, world = sys.argv[1], sys.argv[2]
     os.environ["WORLD_SIZE"] = world  # the checks that depend on it (global batch) see the planned size
     module = load_script(script)
-    cfg = parse_config(module.Config, module.check, sys.argv[3:], prog=script)
+    cfg = parse_config(module.Config, module.check, sys.argv[3:], prog=script, presets=getattr(module, "PRESETS", None))
     if run_dir_problem(cfg):
         fail(run_dir_problem(cfg), prog=script)

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.config import FRACTION, POSITIVE, range_problems
+
 
 @dataclass
 class ModelConfig:
@@ -33,6 +35,17 @@ PRESETS = {
 
 # The fields that fix the shape of the weights: a checkpoint made with other values cannot be loaded.
 SHAPE_FIELDS = ("vocab", "seq_len", "dim", "layers", "heads", "tie_head")
+# The valid values of the model's flags (common.config.RANGES has the training flags').
+RANGES = {"vocab": POSITIVE, "seq_len": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE,
+          "dropout": FRACTION}
+
+
+def model_problems(cfg):
+    """Problems with the model's flags in a script's flat config, each one line for the user."""
+    problems = range_problems(cfg, RANGES)
+    if not problems and cfg.dim % cfg.heads:
+        problems.append(f"--heads {cfg.heads} does not divide --dim {cfg.dim}")
+    return problems
 
 
 class Attention(nn.Module):

@@ -48,7 +48,7 @@ from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
                          set_collective_timeout, setup, teardown)
-from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
+from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
 
@@ -62,7 +62,7 @@ class Config:
     keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
-    preset: str = ""  # a named model shape (common.model.PRESETS: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
+    preset: str = ""  # a named model shape (PRESETS in common/model.py: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
     vocab: int = 64  # vocabulary size (256 with --data)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width
@@ -101,7 +101,7 @@ REUSE_STAGER = TorchVersion(torch.__version__) >= "2.13"
 
 
 def check(cfg):
-    problems = common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    problems = model_problems(cfg) + common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -445,5 +445,5 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, check))
+    main(parse_config(Config, check, presets=PRESETS))
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

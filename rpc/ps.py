@@ -45,7 +45,7 @@ from common.config import common_problems, fail, parse_config
 from common.data import StepData
 from common.dist import (crash, exit_without_finalizing, first_attempt, pick_device, print0, refuse_unsafe_restarts,
                          restarts)
-from common.model import SHAPE_FIELDS, Transformer, model_config, num_params
+from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, state_bytes
 
 
@@ -59,7 +59,7 @@ class Config:
     keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
     seed: int = 0  # seeds the weights, the data and each trainer's per-step RNG
     device: str = "auto"  # where trainers compute: auto (a GPU per local rank if enough, else CPU), cpu or cuda
-    preset: str = ""  # a named model shape (common.model.PRESETS: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
+    preset: str = ""  # a named model shape (PRESETS in common/model.py: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
     vocab: int = 64  # vocabulary size (256 with --data)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width
@@ -93,7 +93,7 @@ def check(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
-    problems = common_problems(cfg, world - 1)  # the trainers split the batch
+    problems = model_problems(cfg) + common_problems(cfg, world - 1)  # the trainers split the batch
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")
@@ -461,5 +461,5 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, check))
+    main(parse_config(Config, check, presets=PRESETS))
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

@@ -11,7 +11,7 @@ import torch
 
 from common.checkpoint import (FORMAT, atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest,
                                prune, resume_problem, rng_state, run_dir_holder, set_rng_state, step_name)
-from common import monitor
+from common import model, monitor
 from common.config import RANGES, load_script, parse_config
 from common.data import StepData
 from common.model import ModelConfig, Transformer
@@ -137,9 +137,12 @@ def test_resume_problem_names_what_changed_and_refuses_what_breaks_the_resume():
 SCRIPTS = ["ddp/train.py", "fsdp/train.py", "rpc/ps.py"]
 
 
+ALL_RANGES = {**RANGES, **model.RANGES}  # the training flags' and the model's
+
+
 def bad_values(field, kind):
     """Values outside a flag's declared range."""
-    rule = RANGES[field.name]
+    rule = ALL_RANGES[field.name]
     values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": []}
     out = values[rule[0]]
     return out + [float("nan"), float("inf")] if kind is float else out
@@ -151,7 +154,7 @@ def test_every_numeric_flag_has_a_range_and_a_value_outside_it_is_one_line(scrip
     monkeypatch.setenv("WORLD_SIZE", "3")
     module = load_script(REPO / script)
     fields = [f for f in dataclasses.fields(module.Config) if _numeric(module.Config, f)]
-    assert fields and not [f.name for f in fields if f.name not in RANGES]
+    assert fields and not [f.name for f in fields if f.name not in ALL_RANGES]
     for f in fields:
         for value in bad_values(f, _numeric(module.Config, f)):
             flag = "--" + f.name.replace("_", "-")
@@ -209,10 +212,10 @@ def test_config_flags_come_from_the_dataclass(capsys):
     ddp = load_script(REPO / "ddp" / "train.py")
     cfg = parse_config(ddp.Config, argv=["--steps", "7", "--no-tie-head", "--crash-at-step", "3"])
     assert (cfg.steps, cfg.tie_head, cfg.crash_at_step, cfg.crash_in_save) == (7, False, 3, None)
-    small = parse_config(ddp.Config, argv=["--preset", "small", "--dim", "999"])
+    small = parse_config(ddp.Config, argv=["--preset", "small", "--dim", "999"], presets=model.PRESETS)
     assert (small.dim, small.layers, small.heads, small.preset) == (128, 3, 4, "small")  # the preset wins
     with pytest.raises(SystemExit):
-        parse_config(ddp.Config, argv=["--preset", "huge"])
+        parse_config(ddp.Config, argv=["--preset", "huge"], presets=model.PRESETS)
     with pytest.raises(SystemExit):
         parse_config(ddp.Config, argv=["--help"])
     assert "total optimizer steps" in capsys.readouterr().out  # the field's comment is its help

@@ -12,11 +12,13 @@ def results(tmp_path_factory):
     # The parameter server's columns are left out here (they cost two 4-process jobs): tests/test_rpc.py
     # checks its crashes; `bash run.sh compare 4` measures it.
     proc = run_sh("compare", 4, "--quick", "--strategies", "ddp,fsdp,fsdp --async-save", "--format", "markdown",
-                  "--out", out, timeout=600)
+                  "--out", out, "--plot", out / "figures", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| model state / rank (measured)" in proc.stdout  # the table was printed
     assert "running fsdp --async-save tiny crash" in proc.stderr  # a progress line per run
-    return json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    results["figures"] = out / "figures"
+    return results
 
 
 def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(results):
@@ -45,3 +47,11 @@ def test_results_record_where_they_were_measured(results):
     assert meta["command"].startswith("bash run.sh compare 4 --quick")
     assert {"torch", "python", "device", "cpus", "world_size"} <= set(meta)
     assert results["disk_reference_bytes_per_s"] > 0
+
+
+def test_plot_draws_loss_memory_and_saves_from_the_runs(results):
+    import matplotlib.image
+    for name in ("loss.png", "memory.png", "saves.png"):
+        pixels = matplotlib.image.imread(results["figures"] / name)  # fails unless a whole PNG
+        colours = {tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}
+        assert pixels.shape[0] > 200 and len(colours) > 20, (name, pixels.shape, len(colours))  # lines, not blank
