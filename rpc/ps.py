@@ -8,16 +8,31 @@ stateless trainers, and lost trainers dropped after a timeout.
         --rdzv-endpoint localhost:0 rpc/ps.py         # the variable: see run.sh (restarts rendezvous reliably)
 
 Rank 0 holds the model and the optimizer. Each trainer pulls the weights, computes gradients on
-its part of the step's batch and pushes them with rpc_async. Once every live trainer has pushed,
-the server averages the gradients in trainer order (so arrival order cannot change the result),
-steps, checkpoints, and answers every waiting trainer with the new weights. Trainers hold nothing
-that the server's version does not determine: after a crash torchrun restarts every process, the
-server resumes from its checkpoint and the trainers carry on from its version. A trainer that
-stops pushing (frozen, or gone without a crash torchrun sees) is dropped after --straggler-timeout
-seconds and the others carry on without its rows of the batch. No wait of the server's is
-unbounded: the job ends without a barrier over every process, so a lost trainer never holds the
-server (torchrun itself still waits for a frozen process to end). A loss that is not finite stops
-the job before it saves.
+its part of the step's batch and pushes them with rpc_async. In sync mode (the default), once
+every live trainer has pushed, the server averages the gradients in trainer order (so arrival
+order cannot change the result), steps, checkpoints, and answers every waiting trainer with the
+new weights. Trainers hold nothing that the server's checkpoint does not determine: after a crash
+torchrun restarts every process, the server resumes from its checkpoint and the trainers carry on
+from its version. A trainer that stops pushing (frozen, or gone without a crash torchrun sees) is
+dropped after --straggler-timeout seconds and the others carry on without its rows of the batch.
+No wait of the server's is unbounded: the job ends without a barrier over every process, so a
+lost trainer never holds the server (torchrun itself still waits for a frozen process to end). A
+loss that is not finite stops the job before it saves.
+
+    bash run.sh rpc 4 --mode async --slow-trainer 3 --slow-factor 3   # a 3x slower trainer slows no one
+
+--mode async: a push is queued with the version it was computed on and answered at once with the
+newest weights, so no trainer waits for another. An update averages the first --updates-per-step
+queued gradients, from any trainers, in arrival order; the push that completes them (or arrives
+while they are complete) is answered by that update. A gradient computed more than --max-staleness
+updates before the one that would apply it is dropped, and counted. A trainer's n-th step trains on
+its rows of global batch n (sync: of the server's step n); the server counts each trainer's steps
+taken and saves the counts. A trainer that froze or left is simply not heard from: async mode drops
+no one. Arrival order decides the weights, so two async runs are not bitwise equal; what holds
+instead, whatever process crashes: the server resumes at its last checkpoint with the weights and
+optimizer state it saved (its save and load events carry their digest), no gradient is applied
+twice (each update lists the (trainer, trainer step) it applied; the trainers go on from the saved
+counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
 import json
@@ -81,8 +96,13 @@ class Config:
     crash_rank: int = -1  # the rank that --crash-at-step kills or --drop-trainer-at-step drops (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: the server dies mid-write of step N's checkpoint
     drop_trainer_at_step: Optional[int] = None  # fault injection: trainer --crash-rank leaves silently at step N
-    nan_at_step: Optional[int] = None  # fault injection: the loss of update N is NaN, in every attempt (a diverged run)
+    nan_at_step: Optional[int] = None  # fault injection: a NaN loss at update N (async: trainer step N), every attempt
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+    mode: str = "sync"  # sync: each update waits for every live trainer (bitwise resumable); async: for no one
+    updates_per_step: int = 0  # async: gradients an update averages, from any trainers (0: one per trainer)
+    max_staleness: int = 4  # async: drop a gradient computed more than N updates before the one applying it
+    slow_trainer: Optional[int] = None  # a straggler: this trainer rank computes --slow-factor times slower
+    slow_factor: float = 1.0  # the straggler sleeps (F - 1) x its compute time after each step: a slower machine
 
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
@@ -97,6 +117,13 @@ def check(cfg):
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")
+    if cfg.mode not in ("sync", "async"):
+        problems.append(f"--mode {cfg.mode}: choose from sync, async")
+    elif cfg.mode == "sync" and (cfg.updates_per_step, cfg.max_staleness) != (0, Config.max_staleness):
+        problems.append("--updates-per-step and --max-staleness are for --mode async (sync takes one gradient "
+                        "from every live trainer, computed on the current step)")
+    if cfg.slow_trainer is not None and not 0 < cfg.slow_trainer < world:
+        problems.append(f"--slow-trainer must be a trainer's rank, 1..{world - 1}, got {cfg.slow_trainer}")
     if not 0 < cfg.straggler_timeout < cfg.timeout_s:
         problems.append(f"--straggler-timeout must be > 0 and below --timeout-s {cfg.timeout_s} (a trainer may "
                         f"wait that long for its reply), got {cfg.straggler_timeout}")
@@ -116,7 +143,10 @@ def lr_at(cfg, step):
 
 # ----------------------------------------------------------------------------- parameter server
 class Pushed(NamedTuple):
-    """A trainer's part of the current update, and where its answer goes."""
+    """A gradient waiting for an update, and where its answer goes."""
+    trainer: int
+    trainer_step: int  # which step of the trainer's own (sync: the server's step)
+    version: int  # the server step it was computed on
     grads: list
     loss: float
     reply: torch.futures.Future
@@ -127,17 +157,19 @@ class Reply(NamedTuple):
     step: int
     weights: Optional[dict]
     stop: Optional[str] = None  # set: the trainer stops (it was dropped, the server stopped, or is gone)
+    trainer_step: int = 0  # a pull's: the trainer's steps the server has taken (async: where the trainer goes on)
 
 
 class ParameterServer:
     """The model, the optimizer, the version (completed updates) and the trainers, behind one lock.
 
-    push() runs on RPC threads and only records a gradient. The main thread, in wait_until_done(),
-    runs every update whole under the lock: gradients in, optimizer step, checkpoint, replies out.
-    So no push sees half an update, and a failure in one (a diverged loss, a failed save, an injected
-    crash) ends the process from its main thread."""
+    push() runs on RPC threads and only records a gradient (async: and answers it with the newest
+    weights, unless it completes an update). The main thread, in wait_until_done(), runs every update
+    whole under the lock: gradients in, optimizer step, checkpoint, replies out. So no push sees half
+    an update, and a failure in one (a diverged loss, a failed save, an injected crash) ends the
+    process from its main thread."""
 
-    def __init__(self, model, optimizer, cfg, monitor, trainers, version, lost, after_update):
+    def __init__(self, model, optimizer, cfg, monitor, trainers, version, lost, after_update, trainer_steps=None):
         self.model, self.optimizer, self.cfg, self.monitor = model, optimizer, cfg, monitor
         self.rows_per_trainer = cfg.batch_size // trainers
         self.tokens_per_trainer = self.rows_per_trainer * cfg.seq_len
@@ -147,7 +179,10 @@ class ParameterServer:
         self.after_update = after_update  # after_update(step): fault injection and checkpoint, under the lock
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # wakes the main thread
-        self.pushed = {}  # trainer rank -> Pushed, for the current version
+        self.pushed = []  # gradients not applied yet: sync, this version's; async, in arrival order
+        self.updates_per_step = cfg.updates_per_step or len(self.live)  # async: gradients an update averages
+        self.trainer_steps = dict(trainer_steps or {})  # trainer rank -> its steps applied or dropped
+        self.staleness, self.stale_dropped = [], 0  # of each gradient applied; how many were dropped
         self.left = set()  # trainers that have the last update's weights and said so
         self.version_started = self.waiting_since = time.monotonic()
         self.step_times, self.loss = [], None
@@ -159,21 +194,28 @@ class ParameterServer:
 
     def pull(self, trainer):
         with self.lock:
-            return self.reply if trainer in self.live else Reply(self.version, None, "dropped by the server")
+            if trainer not in self.live:
+                return Reply(self.version, None, "dropped by the server")
+            return self.reply._replace(trainer_step=self.trainer_steps.get(trainer, 0))
 
-    def push(self, trainer, version, grads, loss):
-        """A future of the Reply to this push, completed by the next update (or at once if the trainer was dropped)."""
+    def push(self, trainer, version, grads, loss, trainer_step=None):
+        """A future of the Reply to this push of a gradient computed on `version` at the trainer's own
+        `trainer_step` (None: the version, as in sync), completed by the next update (or at once if the
+        trainer was dropped). async: at once with the newest weights, unless an update is due."""
         future = torch.futures.Future()
         with self.lock:
             if trainer not in self.live:
                 future.set_result(Reply(self.version, None, "dropped by the server"))
-            elif version != self.version:
+            elif self.cfg.mode == "sync" and version != self.version:
                 future.set_exception(ValueError(f"trainer {trainer} pushed for step {version}, "
                                                 f"the server is at step {self.version}"))
             else:
-                if not self.pushed:  # the first gradient of this version: the straggler clock starts
+                if not self.pushed:  # the first gradient waiting: the straggler clock starts
                     self.waiting_since = time.monotonic()
-                self.pushed[trainer] = Pushed(grads, loss, future)
+                own_step = version if trainer_step is None else trainer_step
+                self.pushed.append(Pushed(trainer, own_step, version, grads, loss, future))
+                if self.cfg.mode == "async" and not self.update_due():
+                    future.set_result(self.reply)
                 self.changed.notify_all()
         return future
 
@@ -189,43 +231,72 @@ class ParameterServer:
 
     @staticmethod
     @rpc.functions.async_execution  # the RPC thread returns at once; the reply is sent when the future completes
-    def push_remote(trainer, version, grads, loss):
-        return SERVER.push(trainer, version, grads, loss)
+    def push_remote(trainer, version, grads, loss, trainer_step):
+        return SERVER.push(trainer, version, grads, loss, trainer_step)
 
     @staticmethod
     def leave_remote(trainer):
         SERVER.leave(trainer)
 
+    def update_due(self):
+        """sync: every live trainer has pushed. async: --updates-per-step fresh enough gradients wait."""
+        if self.version >= self.cfg.steps or not self.pushed:
+            return False
+        if self.cfg.mode == "sync":
+            return self.live <= {p.trainer for p in self.pushed}
+        fresh = sum(self.version - p.version <= self.cfg.max_staleness for p in self.pushed)
+        return fresh >= self.updates_per_step
+
+    def drop_stale(self):
+        """async: the gradients now more than --max-staleness updates old are counted, never applied."""
+        fresh = []
+        for p in self.pushed:
+            if self.version - p.version <= self.cfg.max_staleness:
+                fresh.append(p)
+                continue
+            self.trainer_steps[p.trainer] = p.trainer_step + 1
+            self.stale_dropped += 1
+            self.monitor.event("stale_dropped", step=self.version, trainer=p.trainer, trainer_step=p.trainer_step,
+                               version=p.version)
+            answer([p], self.reply)
+        self.pushed = fresh
+
     def update(self):
-        """Average the pushed gradients in trainer order, step, save, answer. Main thread, under the lock."""
-        trainers, step = sorted(self.pushed), self.version + 1
-        loss = sum(self.pushed[t].loss for t in trainers) / len(trainers)
+        """Average the gradients of an update, step, save, answer. Main thread, under the lock. sync: every
+        live trainer's, in trainer order (so arrival order cannot change the result); async: the first
+        --updates-per-step queued, in arrival order."""
+        if self.cfg.mode == "sync":
+            taken, self.pushed = sorted(self.pushed, key=lambda p: p.trainer), []
+        else:
+            taken, self.pushed = self.pushed[:self.updates_per_step], self.pushed[self.updates_per_step:]
+        step = self.version + 1
+        loss = sum(p.loss for p in taken) / len(taken)
         if not math.isfinite(loss):  # diverged: stop before the weights change and anything is saved
-            for t in trainers:
-                self.pushed[t].reply.set_result(Reply(self.version, None, f"the server stopped: loss {loss}"))
+            answer(taken + self.pushed, Reply(self.version, None, f"the server stopped: loss {loss}"))
             fail(f"loss is {loss} at step {step}: stopping without saving, the checkpoints of earlier steps are kept",
                  code=3)
-        for i, p in enumerate(self.model.parameters()):
-            p.grad = sum(self.pushed[t].grads[i] for t in trainers) / len(trainers)
+        for i, param in enumerate(self.model.parameters()):
+            param.grad = sum(p.grads[i] for p in taken) / len(taken)
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = lr_at(self.cfg, self.version)  # a function of the step: a resume, even with a new --lr, needs no schedule
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.staleness += [self.version - p.version for p in taken]  # sync: 0
+        self.trainer_steps.update((p.trainer, p.trainer_step + 1) for p in taken)  # saved by after_update
         self.version, self.loss = step, loss
         dt = time.monotonic() - self.version_started
         self.step_times.append(dt)
         self.reply = self.snapshot()
-        pushed_bytes = sum(g.numel() * g.element_size() for t in trainers for g in self.pushed[t].grads)
-        pulled_bytes = len(trainers) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
-        self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(trainers),
+        pushed_bytes = sum(g.numel() * g.element_size() for p in taken for g in p.grads)
+        pulled_bytes = len(taken) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
+        self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(taken),
                           state_bytes(self.model, self.optimizer), updates_per_s=1 / dt,
-                          bytes_moved=pushed_bytes + pulled_bytes, trainers=len(trainers))
+                          bytes_moved=pushed_bytes + pulled_bytes, trainers=len({p.trainer for p in taken}),
+                          applied=[(p.trainer, p.trainer_step, p.version) for p in taken])
         self.after_update(step)  # before any trainer sees the new version
-        for t in trainers:
-            self.pushed[t].reply.set_result(self.reply)
-        self.pushed = {}
+        answer(taken + self.pushed, self.reply)  # async: also the pushes that arrived while this one was due
         self.version_started = self.waiting_since = time.monotonic()
 
     def wait_until_done(self):
@@ -233,20 +304,25 @@ class ParameterServer:
         trainer has pushed. A trainer whose gradient is still missing --straggler-timeout seconds after
         the first one arrived is dropped, and the update goes ahead without it. The clock starts at the
         first gradient, not at the version's start, so that a slow start (import, first step) is never
-        taken for a lost trainer; no gradient at all for --timeout-s is an error."""
+        taken for a lost trainer; no gradient at all for --timeout-s is an error. async: an update runs
+        once enough fresh gradients wait; as it waits for no trainer in particular, it drops none."""
         with self.lock:
             while self.version < self.cfg.steps:
-                if self.pushed and self.live <= self.pushed.keys():
+                if self.cfg.mode == "async":
+                    self.drop_stale()
+                if self.update_due():
                     self.update()
                     continue
-                limit = self.cfg.straggler_timeout if self.pushed else self.cfg.timeout_s
+                stragglers = self.cfg.mode == "sync" and self.pushed  # some pushed: the others are late
+                limit = self.cfg.straggler_timeout if stragglers else self.cfg.timeout_s
                 waited = time.monotonic() - self.waiting_since
                 if waited < limit:
                     self.changed.wait(limit - waited)
                     continue
-                if not self.pushed:
-                    raise RuntimeError(f"no trainer pushed a gradient for step {self.version} in {waited:.0f} s")
-                for t in sorted(self.live - self.pushed.keys()):
+                if not stragglers:
+                    raise RuntimeError(f"no update after step {self.version} in {waited:.0f} s "
+                                       f"({len(self.pushed)} gradients pushed)")
+                for t in sorted(self.live - {p.trainer for p in self.pushed}):
                     self.live.remove(t)
                     self.lost[t] = self.version
                     self.monitor.event("trainer_lost", step=self.version, trainer=t, waited_s=waited)
@@ -268,6 +344,19 @@ class ParameterServer:
         n = self.rows_per_trainer
         return [{"trainer": t, "rows": [(t - 1) * n, t * n], "from_step": step + 1}
                 for t, step in sorted(self.lost.items())]
+
+
+def answer(pushes, reply):
+    """Complete the futures of `pushes` not answered yet (async answers most pushes at once)."""
+    for p in pushes:
+        if not p.reply.done():
+            p.reply.set_result(reply)
+
+
+def state_digest(model, optimizer):
+    """A digest of the weights and the optimizer state: a resume must load exactly what the save wrote."""
+    optim = {f"optimizer.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
+    return param_digest({**model.state_dict(), **optim})
 
 
 SERVER = None  # the ParameterServer, on rank 0
@@ -334,7 +423,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- resume (server)
         # Done before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
-        step, resumed_from, lost = 0, None, {}
+        step, resumed_from, lost, trainer_steps = 0, None, {}, {}
         _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
         if state is not None:
             t0 = time.perf_counter()
@@ -347,11 +436,13 @@ def main(cfg):
             optimizer.load_state_dict(state["optimizer"])
             step = resumed_from = state["step"]
             set_rng_state(state["rng"])
+            trainer_steps = state.get("trainer_steps", {})  # async trainers go on after them (none: saved before v2)
             if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
                 lost = state["lost"]
             else:  # other ranks: the saved ranks of lost trainers may not exist
                 print0(f"world size changed from {state['world_size']} to {world}: all {trainers} trainers live")
-            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path))
+            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path),
+                          digest=state_digest(model, optimizer), saved_digest=state.get("digest"))
             print0(f"resuming from step {step}")
             del state
         elif checkpoints(ckpt_dir):  # never train fresh over checkpoints that exist but do not load
@@ -372,22 +463,23 @@ def main(cfg):
             die_mid_save = None
             if cfg.crash_in_save == step and first_attempt():
                 die_mid_save = lambda: crash(f"server while saving step {step}")  # noqa: E731
+            digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
             try:
                 nbytes = atomic_save({
                     "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                    "lost": SERVER.lost,
+                    "lost": SERVER.lost, "trainer_steps": SERVER.trainer_steps, "digest": digest,
                 }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
             except OSError as e:  # a full disk: the previous checkpoints stay as they are
                 fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
                      code=3)
             prune(ckpt_dir, cfg.keep, step)
             save_s = time.perf_counter() - t0
-            monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
+            monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
             print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
         # --------------------------------------------------------------------- serve
-        SERVER = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update)
+        SERVER = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update, trainer_steps)
         rpc.init_rpc("server", rank=rank, world_size=world, rpc_backend_options=options)
         try:
             SERVER.wait_until_done()
@@ -402,7 +494,9 @@ def main(cfg):
             "median_step_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
             "trainers_lost": len(SERVER.lost), "lost_trainers": sorted(SERVER.lost),
-            "skipped_rows": SERVER.skipped_rows(),
+            "skipped_rows": SERVER.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
+            "stale_dropped": SERVER.stale_dropped,  # in this attempt, as the mean staleness of what it applied
+            "mean_staleness": statistics.mean(SERVER.staleness) if SERVER.staleness else None,
         }
         atomic_write_json(summary, run_dir / "summary.json")
         print0(f"done: step {SERVER.version}, final loss {summary['final_loss']}, "
@@ -418,32 +512,41 @@ def main(cfg):
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
         monitor.event("start", launched_at=LAUNCHED_AT, restarts=restarts(), world_size=world)
         reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
+        trainer_step = reply.trainer_step  # this trainer's steps so far, as the server's checkpoint counts them
+
+        def fault_at(n):  # this trainer's last push took the server to step n (async may skip past it)
+            return n is not None and step < n <= reply.step and rank == crash_rank and first_attempt()
+
         while reply.stop is None and reply.step < cfg.steps:
             step = reply.step
-            if cfg.drop_trainer_at_step == step and rank == crash_rank and first_attempt():
-                print(f"trainer {rank}: leaving silently at step {step} (--drop-trainer-at-step)", flush=True)
-                break
+            batch = trainer_step if cfg.mode == "async" else step  # the global batch whose rows this step trains on
             t0 = time.perf_counter()
             model.load_state_dict(reply.weights)
-            seed_rng(cfg.seed * 1_000_003 + step, rank)  # dropout randomness follows from the step, not from history
-            inputs, targets = (t.to(device) for t in data.batch(step, rank - 1, trainers))
+            seed_rng(cfg.seed * 1_000_003 + batch, rank)  # dropout randomness follows from the batch, not from history
+            inputs, targets = (t.to(device) for t in data.batch(batch, rank - 1, trainers))
             model.zero_grad(set_to_none=True)
             loss = model(inputs, targets)
-            if cfg.nan_at_step == step + 1:
+            if cfg.nan_at_step == batch + 1:
                 loss = loss * float("nan")
             loss.backward()
             grads = [p.grad.cpu() for p in model.parameters()]
+            if rank == cfg.slow_trainer:  # a slower machine: the same step takes --slow-factor times as long
+                time.sleep((cfg.slow_factor - 1) * (time.perf_counter() - t0))
             t1 = time.perf_counter()
-            reply = (call_server(ParameterServer.push_remote, rank, step, grads, loss.item(), timeout_s=cfg.timeout_s)
-                     or Reply(step, None, GONE))
+            reply = (call_server(ParameterServer.push_remote, rank, step, grads, loss.item(), batch,
+                                 timeout_s=cfg.timeout_s) or Reply(step, None, GONE))
             t2 = time.perf_counter()
             if reply.stop is not None:
                 break
-            monitor.event("step", step=step + 1, loss=loss.item(), step_s=t2 - t0, compute_s=t1 - t0, wait_s=t2 - t1,
-                          tokens_per_s=tokens_per_step / trainers / (t2 - t0), **memory(device),
-                          mfu=mfu(flops_per_step, t2 - t0, device))
-            if cfg.crash_at_step == step + 1 and rank == crash_rank and first_attempt():
-                crash(f"trainer {rank} after step {step + 1}")
+            trainer_step = batch + 1
+            monitor.event("step", step=reply.step, trainer_step=trainer_step, loss=loss.item(), step_s=t2 - t0,
+                          compute_s=t1 - t0, wait_s=t2 - t1, tokens_per_s=tokens_per_step / trainers / (t2 - t0),
+                          **memory(device), mfu=mfu(flops_per_step, t2 - t0, device))
+            if fault_at(cfg.crash_at_step):
+                crash(f"trainer {rank} after step {reply.step}")
+            if fault_at(cfg.drop_trainer_at_step):
+                print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
+                break
         if reply.stop is not None:
             print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
         elif reply.step >= cfg.steps:  # a server gone before its answer left has heard it: nothing is lost

@@ -12,6 +12,7 @@ import torch
 
 from common import launch
 from common.launch import workers
+from common.chaos import final_history
 from common.checkpoint import param_digest
 from common.config import load_script, parse_config
 from common.model import Transformer, model_config
@@ -138,6 +139,10 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
     ("3", ["--drop-trainer-at-step", "4", "--crash-rank", "0"], "rank 0 is the server: pick a rank in 1..2"),
     ("3", ["--straggler-timeout", "400"], "--straggler-timeout must be > 0 and below --timeout-s 300"),
     ("4", ["--batch-size", "8"], "--batch-size 8 (the global batch) does not split evenly over 3 ranks"),
+    ("3", ["--mode", "fast"], "--mode fast: choose from sync, async"),
+    ("3", ["--max-staleness", "2"], "--updates-per-step and --max-staleness are for --mode async"),
+    ("3", ["--slow-trainer", "3"], "--slow-trainer must be a trainer's rank, 1..2, got 3"),
+    ("3", ["--slow-factor", "0.5"], "--slow-factor must be >= 1, got 0.5"),
 ])
 def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monkeypatch, capsys):
     # The check run.sh does before torchrun starts workers (and each worker again at start).
@@ -273,3 +278,101 @@ def test_a_loss_that_is_not_finite_stops_the_server_before_it_saves(tmp_path, ca
     assert saved == [1] and server.version == 1  # update 2 was neither applied nor saved
     assert param_digest(server.model.state_dict()) == serial_reference(cfg, grads[:1])[-1]
     assert [r.stop for r in replies.values()] == ["the server stopped: loss nan"] * 2
+
+
+# ----------------------------------------------------------------------------- async mode
+def test_async_server_takes_any_fresh_gradients_answers_at_once_and_drops_stale_ones(tmp_path):
+    # --updates-per-step 2, --max-staleness 1. One thread plays both trainers, push by push, so the
+    # order is fixed: trainer 1 is fast, trainer 2 computed both its gradients on step 0.
+    cfg = ps.Config(**SERVER_CFG, mode="async", updates_per_step=2, max_staleness=1)
+    cfg.steps = 3
+    server = make_server(tmp_path, cfg, 2)
+    pushes = [  # (trainer, its step, the version it was computed on), and the version its reply carries
+        ((1, 0, 0), 0),  # one gradient waits: answered at once
+        ((1, 1, 0), 1),  # the second completes update 1, and is answered by it
+        ((2, 0, 0), 1),  # one update old: fresh enough, queued, answered at once
+        ((1, 2, 1), 2),  # completes update 2, with trainer 2's
+        ((2, 1, 0), 2),  # two updates old: dropped, answered at once
+        ((1, 3, 2), 2), ((1, 4, 2), 3)]
+    grads = {key: random_grads(cfg, 10 * key[0] + key[1]) for key, _ in pushes}
+    replies = []
+
+    def trainers():
+        for (trainer, step, version), _ in pushes:
+            replies.append(server.push(trainer, version, grads[trainer, step, version], 1.0, step).wait().step)
+
+    th = threading.Thread(target=trainers)
+    th.start()
+    server.wait_until_done()
+    th.join()
+
+    assert replies == [version for _, version in pushes]
+    applied = [[(1, 0, 0), (1, 1, 0)], [(2, 0, 0), (1, 2, 1)], [(1, 3, 2), (1, 4, 2)]]
+    assert [[tuple(a) for a in e["applied"]] for e in metrics(tmp_path, 0, "step")] == applied
+    [dropped] = metrics(tmp_path, 0, "stale_dropped")
+    assert (dropped["trainer"], dropped["trainer_step"], dropped["version"], dropped["step"]) == (2, 1, 0, 2)
+    assert server.staleness == [0, 0, 1, 0, 0, 0] and server.stale_dropped == 1
+    assert server.trainer_steps == {1: 5, 2: 2}  # saved with each checkpoint: where each trainer goes on
+    expected = serial_reference(cfg, [{key: grads[key] for key in update} for update in applied])
+    assert param_digest(server.model.state_dict()) == expected[-1]
+
+
+# A server and two trainers, trainer 2 three times slower; a model big enough that computing, not
+# RPC, takes most of a step (SMALL's is too small for the straggler to show).
+ASYNC = ["--steps", 32, "--save-every", 8, "--preset", "tiny", "--batch-size", 64, "--mode", "async",
+         "--max-staleness", 2, "--slow-trainer", 2, "--slow-factor", 3]
+
+
+@pytest.fixture(scope="module")
+def async_job(tmp_path_factory, request):
+    """One async job with two faults: the server crashes after step 11 (before saving it), then once
+    the restarted job has done step 18, trainer 1 is killed. torchrun restarts the job twice.
+    Returns (run dir, output, rank 0's metrics)."""
+    run_dir = tmp_path_factory.mktemp("rpc-async") / "run"
+    proc, _ = start_job(run_dir, 3, *ASYNC, "--crash-at-step", 11, "--crash-rank", 0)
+    request.addfinalizer(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+    deadline = time.monotonic() + 120
+    assert wait_for_event(run_dir, proc, "load", deadline)  # the first restart resumes (the first run started fresh)
+    trainer_1 = workers(proc.pid, attempt=1)[1]  # looked up now: a step of this job takes milliseconds
+    assert wait_for_event(run_dir, proc, "step", deadline, step=18)  # the first run never got past 11
+    os.kill(trainer_1, signal.SIGKILL)
+    code, output, _ = launch.finish(proc, time.time() + 120)
+    assert launch.problems(run_dir, code, output, restarts=2) == [], output[-4000:]
+    return run_dir, output, metrics(run_dir, 0)
+
+
+def test_async_crash_resumes_at_the_last_checkpoint_with_the_state_it_saved(async_job):
+    run_dir, output, events = async_job
+    assert "injected crash: server after step 11" in output
+    loads = [e for e in events if e["event"] == "load"]
+    assert loads[0]["step"] == 8  # steps 9-11 were applied but never committed: they are done again
+    [saved] = [e for e in events if e["event"] == "save" and e["step"] == 8]
+    assert loads[0]["digest"] == saved["digest"]  # what it loaded is what it saved, weights and optimizer state
+    # The second restart's SIGTERM may fall between a save's commit and its event: the checkpoint's own record.
+    assert all(load["digest"] == load["saved_digest"] for load in loads)
+    s = summary(run_dir)
+    assert s["steps"] == 32 and s["restarts"] == 2 and s["resumed_from_step"] == loads[-1]["step"]
+    assert len(loads) == 2 and s["mode"] == "async"
+
+
+def test_async_applies_no_gradient_twice_and_loses_no_committed_update(async_job):
+    _, _, events = async_job
+    history = final_history(events)
+    assert sorted(history) == list(range(1, 33))  # every update once, the committed ones kept
+    applied = [(trainer, step) for update in history.values() for trainer, step, _ in update]
+    assert len(applied) == len(set(applied)) == 2 * 32
+    assert {trainer for trainer, _ in applied} == {1, 2}
+
+
+def test_async_staleness_never_exceeds_the_bound(async_job):
+    _, _, events = async_job
+    staleness = [step - 1 - version for step, update in final_history(events).items() for _, _, version in update]
+    assert 0 <= min(staleness) and max(staleness) <= 2
+    assert all(e["step"] - e["version"] > 2 for e in events if e["event"] == "stale_dropped")
+
+
+def test_async_fast_trainer_is_not_held_by_the_straggler(async_job):
+    # In sync mode each trainer does one step per update; here the fast one goes on without the slow one.
+    run_dir, _, _ = async_job
+    fast, slow = (len(metrics(run_dir, rank, "step")) for rank in (1, 2))
+    assert fast >= 1.5 * slow, (fast, slow)
