@@ -1,6 +1,6 @@
-"""Measured comparison of DDP, FSDP, FSDP with async save and the parameter server.
+"""Measured comparison of DDP and FSDP, each with and without async save, and the parameter server.
 
-    bash run.sh compare 4                  # 16 jobs; about 8 minutes on a 2-core CPU machine
+    bash run.sh compare 4                  # 24 jobs; about 12 minutes on a 2-core CPU machine
     bash run.sh compare 4 --quick          # the main table only, on the tiny model, fewer steps
     bash run.sh compare 4 --format json    # also: markdown, csv; the JSON always lands in results.json
 
@@ -8,6 +8,8 @@ Each strategy runs through the real torchrun with the same model, seed, data, st
 once uninterrupted and once with a crash that torchrun recovers. Every figure is read from what the
 scripts wrote (metrics-rank<r>.jsonl, summary.json, the checkpoint folder); none is estimated. The
 theoretical model-state figure is printed next to the measured one, labelled as such.
+A table of its own (straggler(), not with --quick): the parameter server in sync and async mode,
+each with and without one trainer 3x slower, four clean jobs.
 """
 import csv
 import importlib.util
@@ -34,6 +36,7 @@ from common.model import PRESETS  # noqa: E402
 
 STRATEGIES = {  # column -> (script, extra flags)
     "ddp": ("ddp/train.py", []),
+    "ddp --async-save": ("ddp/train.py", ["--async-save"]),
     "fsdp": ("fsdp/train.py", []),
     "fsdp --async-save": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
@@ -108,18 +111,21 @@ def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900)
             "events": events(run_dir), "run_dir": Path(run_dir)}
 
 
-def disk_reference(folder, nbytes):
-    """A plain fsync'd sequential write of nbytes in folder: what the disk does, in bytes/s."""
+def disk_reference(folder, nbytes, repeats=3):
+    """A plain fsync'd sequential write of exactly nbytes in folder, in 1 MiB blocks: what the disk does,
+    in bytes/s (the median of `repeats` writes; a small write is mostly the fsync's latency)."""
     path, block = Path(folder) / "disk-reference.bin", bytes(1 << 20)
-    start = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // len(block))):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - start
-    path.unlink()
-    return max(1, nbytes // len(block)) * len(block) / seconds
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for offset in range(0, nbytes, len(block)):
+                f.write(block[:nbytes - offset])
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - start)
+        path.unlink()
+    return nbytes / statistics.median(times)
 
 
 def checkpoint_facts(job):
@@ -130,7 +136,33 @@ def checkpoint_facts(job):
     size = sum(p.stat().st_size for p in files)
     total = median(e["total_s"] for e in saves)
     return {"ckpt_bytes": size, "ckpt_files": len(files), "save_blocking_s": median(e["blocking_s"] for e in saves),
+            "save_staging_s": median(e.get("staging_s") for e in saves),
             "save_total_s": total, "write_bytes_per_s": size / total if total else None}
+
+
+def step_slowdown_while_saving(steps):
+    """Rank 0's median step time over the steps that ran while an async save was in flight (their
+    `saving` flag), divided by the median over the other steps; None where no step overlapped a save."""
+    rank0 = [e for e in steps if e["rank"] == 0]
+    during = median(e["step_s"] for e in rank0 if e.get("saving"))
+    others = median(e["step_s"] for e in rank0 if not e.get("saving"))
+    return during / others if during and others else None
+
+
+def startup_peaks(events):
+    """(rank 0, the largest of the other ranks): the peak memory of building the model above what the
+    process held before (the 'built' event); None where the script writes no such event."""
+    built = {e["rank"]: e["peak_bytes"] - e["baseline_bytes"] for e in events if e["event"] == "built"}
+    return built.get(0), max((v for r, v in built.items() if r != 0), default=None)
+
+
+def blocking_vs_sync(rows):
+    """For each async column, its median blocking time over the median total time of the same
+    strategy's synchronous saves in the same run (when that column was run too)."""
+    for strategy, row in rows.items():
+        sync = rows.get(strategy.replace(" --async-save", ""))
+        if strategy.endswith(" --async-save") and sync and row["save_blocking_s"] is not None and sync["save_total_s"]:
+            row["blocking_vs_sync"] = row["save_blocking_s"] / sync["save_total_s"]
 
 
 def growth(job):
@@ -159,8 +191,10 @@ def measure(clean, crashed, crash_step, world, strategy):
         "tokens_per_s": median(e["tokens_per_s"] for e in steps if e["rank"] == 0),
         "comm_s_per_step": median(e.get("comm_s") for e in steps if e["rank"] == 0),
         **checkpoint_facts(clean),
+        "step_slowdown_while_saving": step_slowdown_while_saving(steps),
         "final_loss": clean["summary"]["final_loss"],
     }
+    row["startup_peak_bytes_rank0"], row["startup_peak_bytes_others"] = startup_peaks(clean["events"])
     # Recovery: from the crashed rank's last completed step to the first step after the restart.
     ev = crashed["events"]
     restarted = min(e["time"] for e in ev if e["event"] == "start" and e["restarts"] > 0)
@@ -233,10 +267,14 @@ def main(argv=None):
         for strategy in strategies:
             crashed = job(strategy, size, True)
             results["growth"].setdefault(size, {})[strategy] = growth(crashed)
+    if "rpc" in strategies and not args.quick and args.nproc >= 3:  # a straggler needs another trainer beside it
+        results["straggler"] = straggler(args.nproc, 2 * steps, batch, out, log)
     biggest = max(r["ckpt_bytes"] for r in results["main"].values())
     results["disk_reference_bytes_per_s"] = disk_reference(out, biggest)
-    for row in results["main"].values():
-        row["write_vs_disk"] = row["write_bytes_per_s"] / results["disk_reference_bytes_per_s"]
+    for row in results["main"].values():  # against a plain write of the same number of bytes
+        row["disk_reference_bytes_per_s"] = disk_reference(out, row["ckpt_bytes"])
+        row["write_vs_disk"] = row["write_bytes_per_s"] / row["disk_reference_bytes_per_s"]
+    blocking_vs_sync(results["main"])
     import torch
     results["meta"] = {
         "command": "bash run.sh compare " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -248,6 +286,8 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {out / 'results.json'}")
     print(render(results, args.format))
+    if "straggler" in results and args.format != "json":
+        print("\n" + render_straggler(results["straggler"], args.format))
     if args.plot:
         plot(results, out, Path(args.plot), log)
     if not all(r["resumed_digest_equal"] for r in results["main"].values()):
@@ -264,8 +304,14 @@ MAIN_ROWS = [  # (label, key, format)
     ("median step time", "median_step_s", "ms"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
     ("all-reduce time / step", "comm_s_per_step", "ms"),
     ("checkpoint size on disk", "ckpt_bytes", "mib"), ("checkpoint files", "ckpt_files", "{}"),
-    ("save: blocking (loop waits)", "save_blocking_s", "ms"), ("save: total", "save_total_s", "ms"),
-    ("save: write throughput", "write_bytes_per_s", "mibs"), ("save: throughput / plain fsync'd write", "write_vs_disk", "{:.2f}"),
+    ("save: blocking (loop waits)", "save_blocking_s", "ms"), ("save: staging (copy to CPU)", "save_staging_s", "ms"),
+    ("save: total", "save_total_s", "ms"),
+    ("save: blocking / total of the same strategy's sync save", "blocking_vs_sync", "{:.2f}"),
+    ("save: write throughput", "write_bytes_per_s", "mibs"),
+    ("save: throughput / plain fsync'd write of the same bytes", "write_vs_disk", "{:.2f}"),
+    ("step time while a save is in flight / otherwise", "step_slowdown_while_saving", "{:.2f}"),
+    ("start-up peak memory above baseline: rank 0", "startup_peak_bytes_rank0", "mib"),
+    ("start-up peak memory above baseline: other ranks (max)", "startup_peak_bytes_others", "mib"),
     ("load on resume", "load_s", "ms"), ("recovery: crash to first step after restart", "recovery_s", "s"),
     ("recovery: crash to the new workers' launch", "recovery_detect_s", "s"),
     ("recovery: process start (imports, group, model)", "recovery_restart_s", "s"),
@@ -308,6 +354,63 @@ def render(results, form):
     if len(results["growth"]) > 1:
         text += "\n\n" + tabulate(growth, headers=["size", "measure"] + cols, tablefmt=style)
     return text
+
+
+STRAGGLER_SIZE, STRAGGLER_FACTOR = "small", 3  # a model whose compute, not RPC, takes most of a trainer's step
+STRAGGLER_ROWS = [  # (label, key, format)
+    ("updates/s", "updates_per_s", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("updates/s with the straggler / without", "vs_no_straggler", "{:.2f}"),
+    ("steps done: straggler / fastest other trainer", "straggler_steps_ratio", "{:.2f}"),
+    ("mean staleness of the applied gradients (updates)", "mean_staleness", "{:.2f}"),
+    ("stale gradients dropped", "stale_dropped", "{}"),
+    ("loss, mean of the last 5 updates (same tokens in every run)", "final_loss", "{:.4f}"),
+]
+
+
+def straggler(nproc, steps, batch, out, log):
+    """The parameter server in sync and async mode, each without and with one trainer (the last rank)
+    STRAGGLER_FACTOR times slower: four clean jobs of the same updates, model and batch. Rates are rank
+    0's, over the updates after the first fifth (start-up); staleness is the server version at apply
+    less the version a gradient was computed on."""
+    rows = {}
+    for mode in ("sync", "async"):
+        for slow in (False, True):
+            name = f"rpc {mode}{' + straggler' if slow else ''}"
+            run_dir = out / f"rpc-{mode}{'-straggler' if slow else ''}"
+            subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+            flags = ["--steps", steps, "--save-every", steps, "--batch-size", batch, "--log-every", 1000,
+                     "--preset", STRAGGLER_SIZE, "--mode", mode]
+            flags += ["--slow-trainer", nproc - 1, "--slow-factor", STRAGGLER_FACTOR] if slow else []
+            log(f"running {name} ...")
+            ev = run_job(name, "rpc/ps.py", nproc, run_dir, flags, log)["events"]
+            updates = [e for e in ev if e["event"] == "step" and e["rank"] == 0]
+            timed = updates[len(updates) // 5:]
+            seconds = timed[-1]["time"] - timed[0]["time"]
+            done = {r: sum(e["event"] == "step" and e["rank"] == r for e in ev) for r in range(1, nproc)}
+            rows[name] = {
+                "updates_per_s": (len(timed) - 1) / seconds,
+                "tokens_per_s": sum(e["tokens_per_s"] * e["step_s"] for e in timed[1:]) / seconds,
+                "straggler_steps_ratio": done[nproc - 1] / max(v for r, v in done.items() if r != nproc - 1),
+                "mean_staleness": statistics.mean(e["step"] - 1 - v for e in updates for _, _, v in e["applied"]),
+                "stale_dropped": sum(e["event"] == "stale_dropped" for e in ev),
+                "final_loss": statistics.mean(e["loss"] for e in updates[-5:]),
+            }
+            if slow:
+                rows[name]["vs_no_straggler"] = rows[name]["updates_per_s"] / rows[f"rpc {mode}"]["updates_per_s"]
+    return rows
+
+
+def render_straggler(rows, form):
+    cols = list(rows)
+    table = [[label] + [fmt(rows[c].get(key), how) for c in cols] for label, key, how in STRAGGLER_ROWS]
+    if form == "csv":
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["table", "measure"] + cols] + [["straggler"] + r for r in table])
+        return buf.getvalue()
+    head = (f"The parameter server with one trainer {STRAGGLER_FACTOR}x slower (--slow-trainer, the last rank), "
+            f"model {STRAGGLER_SIZE}")
+    return head + "\n\n" + tabulate(table, headers=["measure"] + cols,
+                                      tablefmt="github" if form == "markdown" else "simple", disable_numparse=True)
 
 
 def run_name(strategy, size, crash):

@@ -79,11 +79,14 @@ POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
 ANY_INT = ("any integer", lambda v: True)
+AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
 RANGES = {
     "steps": POSITIVE, "save_every": POSITIVE, "keep": POSITIVE, "seed": NON_NEGATIVE, "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
     "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": POSITIVE, "hang_timeout_s": POSITIVE,
     "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
     "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
+    "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE,
+    "slow_factor": AT_LEAST_ONE,
 }
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 

@@ -2,6 +2,7 @@
 
     bash run.sh ddp 4                                  # torchrun, 4 ranks, restarts on failure
     bash run.sh ddp 2 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
+    bash run.sh ddp 2 --steps 40 --save-every 10 --async-save          # saves written while training goes on
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (see run.sh)
     python ddp/train.py                                # one process, no torchrun
@@ -19,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,7 +40,7 @@ from common.data import StepData
 from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
                          set_collective_timeout, setup, teardown)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import CommTimer, Monitor, device_name, memory, mfu, state_bytes
+from common.monitor import CommTimer, Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
 
 # ----------------------------------------------------------------------------- config
@@ -70,6 +72,7 @@ class Config:
     timeout_s: int = 300  # collective timeout while starting, loading and saving: a hung peer fails the job
     hang_timeout_s: float = 15.0  # from step 5 on, a collective that waits longer than this (or 20 steps, if longer) fails
     bf16: bool = True  # on CUDA: autocast the forward to bf16; weights, gradients and their all-reduce stay fp32 (CPU: fp32)
+    async_save: bool = False  # copy each checkpoint to CPU memory (pinned on CUDA), then write it in a background thread while training goes on
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
@@ -97,6 +100,35 @@ def lr_at(cfg, step):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def cpu_copy(obj, pin, memo=None):
+    """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
+    pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
+    tensor met twice (tied weights) is copied once, as torch.save would store it once."""
+    memo = {} if memo is None else memo
+    if torch.is_tensor(obj):
+        if id(obj) not in memo:
+            memo[id(obj)] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v, pin, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v, pin, memo) for v in obj)
+    return obj
+
+
+@dataclass
+class Save:
+    """A checkpoint being saved. blocking_s is what the training loop waited for it: all of a synchronous
+    save; for an async one the CPU copy (staging_s), then the wait for its write before the next save (not
+    the wait at the end of the job: no step is left to stall). `future` is rank 0's write in its thread."""
+    step: int
+    t0: float
+    blocking_s: float = 0.0
+    staging_s: Optional[float] = None
+    done_at: Optional[float] = None
+    future: Optional[Future] = None
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     rank, world, device = setup(cfg.device, cfg.timeout_s)
@@ -118,11 +150,19 @@ def main(cfg):
         tokens_per_step = cfg.batch_size * cfg.seq_len
 
         # --------------------------------------------------------------------- model and optimizer
+        baseline = reset_peak(device)
         model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # Peak memory of construction above what the process held before it: the whole model, on every rank.
+        monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
+                      full_model_bytes=4 * num_params(model))
+        # Fused AdamW (one kernel for all parameters) on the GPU; the CPU keeps the default, whose weights
+        # the DDP and FSDP digests are compared on.
+        fused = True if device.type == "cuda" else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         bf16 = cfg.bf16 and device.type == "cuda"
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
-        print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute")
+        print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute"
+               f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
         # Rank 0 picks the newest checkpoint that loads (falling back past torn ones) and every rank
@@ -143,6 +183,8 @@ def main(cfg):
                 print0(f"resuming with changed settings: {', '.join(changes)}")
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
+            for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
+                group["fused"] = fused
             step = resumed_from = state["step"]
             if state["world_size"] == world:
                 set_rng_state(state["rng"][rank])
@@ -169,35 +211,81 @@ def main(cfg):
         comm = CommTimer()
         ddp_model.register_comm_hook(None, comm.hook)
 
-        def save(step):
-            """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename;
-            the barrier keeps every rank from running ahead of an unfinished save."""
+        # An async save copies the state into CPU memory on the main thread (pinned on CUDA: a fast copy
+        # from the GPU), after which training may change the weights; a thread then writes, fsyncs and
+        # renames the file. One save is in flight at a time: the next one, and the end of the job, wait
+        # for it first.
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save else None
+        pin = device.type == "cuda"
+        if cfg.async_save:
+            print0(f"async save: copied on the main thread into {'pinned' if pin else 'pageable'} CPU memory,"
+                   " written in a background thread")
+
+        def save(step, asynchronous):
+            """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename.
+            Returns the Save, still being written if asynchronous; else finished (None)."""
             t0 = time.perf_counter()
             rngs = [None] * world
             dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
-            nbytes = 0
+            record = Save(step, t0)
             if rank == 0:
                 die_mid_save = None
                 if cfg.crash_in_save == step and first_attempt():
                     die_mid_save = lambda: crash(f"rank 0 while saving step {step}")  # noqa: E731
+                state = {"format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "world_size": world, "rng": rngs, "config": dataclasses.asdict(cfg)}
+                path = ckpt_dir / step_name(step, ".pt")
+                if asynchronous:
+                    state = cpu_copy(state, pin)
+                    if pin:
+                        torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+                    record.staging_s = time.perf_counter() - t0
+                    record.future = writer.submit(atomic_save, state, path, before_commit=die_mid_save)
+                    record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
+                else:
+                    record.future = Future()  # done already: finish_save reports it like an async one
+                    try:
+                        record.future.set_result(atomic_save(state, path, before_commit=die_mid_save))
+                    except Exception as e:  # a full disk: the previous checkpoints stay as they are
+                        record.future.set_exception(e)
+            record.blocking_s = time.perf_counter() - t0
+            if rank != 0 and asynchronous:  # nothing of it is in flight on this rank
+                record.done_at = t0 + record.blocking_s
+            return record if asynchronous else finish_save(record)
+
+        def finish_save(record, in_loop=True):
+            """Wait for rank 0's write (in the loop, the wait blocks training); the ranks then agree on its
+            outcome, so that all of them stop after a failed write (one line and exit 3: the checkpoints of
+            earlier steps stay the ones a restart loads), and none runs ahead of an unfinished save."""
+            t0, nbytes, error = time.perf_counter(), 0, None
+            if record.future is not None:
                 try:
-                    nbytes = atomic_save({
-                        "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step, "world_size": world, "rng": rngs, "config": dataclasses.asdict(cfg),
-                    }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
-                except OSError as e:  # a full disk: the previous checkpoints stay as they are
-                    fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
-                         code=3)
-                prune(ckpt_dir, cfg.keep, step)
-            dist.barrier()
-            save_s = time.perf_counter() - t0
-            monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes)
-            print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+                    nbytes = record.future.result()
+                except Exception as e:
+                    error = e
+            ok = torch.tensor(int(error is None), device=device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not ok.item():
+                if rank == 0:
+                    fail(f"saving step {record.step} failed ({getattr(error, 'strerror', None) or error}): "
+                         "the checkpoints of earlier steps are kept", code=3)
+                raise SystemExit(3)
+            if rank == 0:
+                prune(ckpt_dir, cfg.keep, record.step)
+            now = time.perf_counter()
+            record.blocking_s += now - t0 if in_loop else 0.0
+            total_s = (record.done_at or now) - record.t0  # its callback may run after result()
+            monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=record.staging_s,
+                          total_s=total_s, bytes=nbytes)
+            print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
+                   + (f" copied in {record.staging_s * 1000:.0f} ms," if record.staging_s is not None else "")
+                   + f" total {total_s * 1000:.0f} ms)")
+            return None
 
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
 
         # --------------------------------------------------------------------- training loop
-        step_times = []
+        step_times, pending = [], None
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -216,12 +304,15 @@ def main(cfg):
             step += 1
             mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
+                if pending:  # an earlier step's save, of finite weights: let it commit
+                    finish_save(pending, in_loop=False)
                 fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
                      "steps are kept", code=3)
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            saving = pending is not None and (pending.done_at or math.inf) > t0  # rank 0's async write was in flight
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
-                         mfu=mfu(flops_per_step, dt, device))
+                         mfu=mfu(flops_per_step, dt, device), saving=saving)
 
             guard.measured(step_times)
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
@@ -230,7 +321,9 @@ def main(cfg):
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
                 with guard.patient():
-                    save(step)
+                    if pending:  # one save in flight at a time: the previous one commits first
+                        pending = finish_save(pending)
+                    pending = save(step, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
@@ -238,6 +331,10 @@ def main(cfg):
 
         # --------------------------------------------------------------------- teardown
         set_collective_timeout(cfg.timeout_s)
+        if pending:
+            finish_save(pending, in_loop=False)
+        if writer:
+            writer.shutdown()
         if rank == 0:
             full_state = model.state_dict()
             summary = {
@@ -248,6 +345,7 @@ def main(cfg):
                 "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
                 "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
                 "device": device_name(device), **memory(device),
+                "async_save": cfg.async_save,
             }
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

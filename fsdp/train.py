@@ -10,7 +10,7 @@ every rank, auto-resume at the same or another world size, and optional async sa
 
 Each rank holds 1/world of the parameters, gradients and optimizer state (fully_shard per block,
 then the root). A checkpoint is a folder ckpt/step-NNNNNNNN/: every rank writes its own shards,
-rank 0 adds train.pt (step, config, every rank's RNG) first and DCP's `.metadata` last, which
+then rank 0 adds train.pt (step, config, every rank's RNG) and DCP's `.metadata` last, which
 commits it. Resume takes the newest committed folder that loads on every rank (each is tried twice),
 reshards it to the current world size, and continues with the same global batch. Newer folders
 that did not load are moved aside, never deleted. A loss that is not finite stops the job unsaved.
@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -83,12 +84,14 @@ class Config:
     bf16: bool = True  # on CUDA: bf16 compute weights, fp32 gradient reduction and fp32 master weights (CPU: fp32)
     reshard_after_forward: bool = True  # free each block's gathered weights after forward; gather again for backward
     cpu_offload: bool = False  # keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's CPUOffloadPolicy)
-    async_save: bool = False  # write checkpoints in a background thread while the next steps train
+    async_save: bool = False  # copy each checkpoint to CPU buffers and write it in background threads while training goes on
     save_threads: int = 8  # threads writing each rank's shards (on an H200's disk: 1 -> 0.58, 8 -> 0.88 of a raw write)
+    compile: bool = False  # torch.compile each block before sharding it (as torchtitan does); the first steps compile
     export: str = ""  # at the end, torch.save the full model state dict to this file (for common.model.Transformer)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
+    crash_in_staging: Optional[int] = None  # fault injection: --crash-rank dies while the async save of step N copies its shards
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
@@ -188,15 +191,30 @@ def resume(candidates, model, optimizer, device, rank, monitor):
 
 @dataclass
 class Save:
-    """A checkpoint being written: when it started, how long it blocked the loop, and for an async
-    save the future of its write and the stager that holds its staged copy."""
+    """A checkpoint being written. blocking_s is what the training loop waited for it: the call, then
+    for an async save the wait for its copy (staging) before the next optimizer step and the wait for
+    its commit before the next save (not the wait at the end of the job: no step is left to stall).
+    An async save also holds the futures of its staging (None once waited for) and of its write, and
+    the stager that holds the staged copy."""
     step: int
     path: Path
     t0: float
     blocking_s: float = 0.0
+    staged_at: Optional[float] = None
     done_at: Optional[float] = None
-    future: Optional[object] = None
+    staging: Optional[Future] = None
+    future: Optional[Future] = None
     stager: Optional[DefaultStager] = None
+
+
+def wait(future, step):
+    """Wait for a future of the save of `step` and return the seconds waited; a failure is save_failed."""
+    t0 = time.perf_counter()
+    try:
+        future.result()
+    except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
+        save_failed(step, e)
+    return time.perf_counter() - t0
 
 
 def save_failed(step, error):
@@ -206,12 +224,46 @@ def save_failed(step, error):
     fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
 
 
-class TornWriter(dcp.FileSystemWriter):
-    """--crash-in-save: DCP calls finish() on rank 0 once every rank's shards are on disk, to write
-    `.metadata` (the commit). This one dies there instead, leaving a torn, uncommitted folder."""
+class Writer(dcp.FileSystemWriter):
+    """DCP's file writer (`thread_count` threads a rank) that also writes train.pt. DCP calls
+    prepare_local_plan on every rank, in the thread that saves, before it gathers their plans: each
+    rank's RNG state `rng` goes to rank 0 there (over `group`, the one DCP saves over), so an async save
+    gathers it off the training loop. DCP calls finish() on rank 0 once every rank's shards are on disk,
+    to write `.metadata`, the commit: `train` and the RNG states go into train.pt there, just before."""
+
+    def __init__(self, path, train, rng, group, thread_count):
+        super().__init__(path, thread_count=thread_count)
+        self.train, self.rng, self.group = train, rng, group
+
+    def prepare_local_plan(self, plan):
+        rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
+        dist.gather_object(self.rng, rngs, dst=0, group=self.group)
+        self.train = {**self.train, "rng": rngs}
+        return super().prepare_local_plan(plan)
 
     def finish(self, metadata, results):
+        atomic_save(self.train, Path(self.path) / "train.pt")
+        super().finish(metadata, results)
+
+
+class TornWriter(Writer):
+    """--crash-in-save: dies on rank 0 where the commit would be written, leaving a torn folder."""
+
+    def finish(self, metadata, results):
+        atomic_save(self.train, Path(self.path) / "train.pt")
         crash(f"rank 0 while saving {self.path}: shards written, not committed")
+
+
+class DyingStager(DefaultStager):
+    """--crash-in-staging: dies in the staging thread as it starts copying the shards of `step`, while
+    the training loop goes on: the save is never committed."""
+
+    def __init__(self, options, step):
+        super().__init__(options)
+        self.step = step
+
+    def _stage(self, state_dict, **kwargs):  # what DefaultStager runs in its thread
+        crash(f"rank {dist.get_rank()} while staging step {self.step}: the copy of its shards begun, not finished")
 
 
 def main(cfg):
@@ -255,6 +307,8 @@ def main(cfg):
         # each block's parameters visit the device only for its forward and backward.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         for block in model.blocks:
+            if cfg.compile:  # in place, so the state dict keeps its keys (torch.compile(block) would prefix them)
+                block.compile()
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
                         reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
@@ -264,10 +318,14 @@ def main(cfg):
         # Peak memory of construction above what the process held before it: shards, plus on rank 0 the full CPU copy.
         monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
                       full_model_bytes=4 * num_params(model))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the default,
+        # whose weights the DDP and FSDP digests are compared on.
+        fused = True if device.type == "cuda" and not cfg.cpu_offload else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute,"
-               f" sharded over {world} ranks")
+               f" sharded over {world} ranks{', blocks compiled' if cfg.compile else ''}"
+               f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
         # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
@@ -291,6 +349,8 @@ def main(cfg):
                 seed_rng(cfg.seed + step, rank)
                 print0(f"resharded from {saved['world_size']} to {world} ranks")
                 monitor.event("reshard", step=step, from_world_size=saved["world_size"], world_size=world)
+            for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
+                group["fused"] = fused
             monitor.event("load", step=step, load_s=load_s, path=str(path))
             print0(f"resuming from step {step}")
         else:
@@ -306,38 +366,44 @@ def main(cfg):
                 print(f"removed {p.name} (never committed)", flush=True)
         monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
-        # An async save first copies the shards into CPU buffers (staging), then writes those in a
-        # thread. Where the torch version allows, one stager for the whole run keeps its buffers, a CPU
-        # copy of this rank's state, and copies into them again at each save (the previous save has
-        # committed by then); elsewhere each save gets a fresh stager, closed once it has committed.
-        def new_stager():
-            return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                use_async_staging=False, use_non_blocking_copy=False))
-
-        stager = new_stager() if cfg.async_save and REUSE_STAGER else None
+        # An async save copies this rank's shards into CPU buffers (staging), then writes those in a
+        # thread while training goes on. The copy runs in a thread of its own too (async staging): the
+        # loop waits for it only before its next optimizer step, which would change the weights being
+        # copied. On CUDA the buffers are pinned and the copies non-blocking, on a stream of their own;
+        # the CPU has neither (pageable buffers, plain copies). Where the torch version allows, one
+        # stager keeps its buffers, a CPU copy of this rank's state, for the whole run and copies into
+        # them again at each save (the previous save has committed by then); elsewhere each save gets a
+        # fresh stager, closed once it has committed.
+        cuda = device.type == "cuda"
+        staging = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                 use_non_blocking_copy=cuda)
+        stager = DefaultStager(staging) if cfg.async_save and REUSE_STAGER else None
         if cfg.async_save:
-            print0("async save: " + ("one stager for the run, its buffers reused" if REUSE_STAGER else
-                                     f"a stager per save (torch {torch.__version__} cannot reuse one)"))
+            print0(f"async save: staged in a background thread into {'pinned' if cuda else 'pageable'} CPU buffers"
+                   + (" by non-blocking copies on a side stream" if cuda else " (pinned memory needs CUDA)") + "; "
+                   + ("one stager for the run, its buffers reused" if REUSE_STAGER else
+                      f"a stager per save (torch {torch.__version__} cannot reuse one)"))
 
         def save(step, asynchronous):
-            """Start the checkpoint of `step`: rank 0's train.pt first, then every rank's shards through
-            DCP, whose `.metadata` commits it. Returns the Save, still in flight if asynchronous."""
+            """Start the checkpoint of `step`: every rank's shards through DCP, then rank 0's train.pt and
+            DCP's `.metadata`, which commits it. Returns the Save, still in flight if asynchronous."""
             t0 = time.perf_counter()
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
             path = ckpt_dir / step_name(step)
-            if rank == 0:  # written before any shard, so a committed folder always has it
-                path.mkdir(exist_ok=True)
-                atomic_save({"format": FORMAT, "step": step, "world_size": world,
-                             "config": dataclasses.asdict(cfg), "rng": rngs}, path / "train.pt")
+            train = {"format": FORMAT, "step": step, "world_size": world, "config": dataclasses.asdict(cfg)}
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
             torn = cfg.crash_in_save == step and first_attempt()
-            writer = (TornWriter if torn else dcp.FileSystemWriter)(path, thread_count=cfg.save_threads)
+            writer = (TornWriter if torn else Writer)(path, train, rng_state(), save_group if asynchronous else None,
+                                                     thread_count=cfg.save_threads)
             record = Save(step, path, t0)
-            if asynchronous:  # returns once the shards are copied; the write goes on in a thread
-                record.stager = stager or new_stager()
-                record.future = dcp.async_save(state, storage_writer=writer, process_group=save_group,
-                                               async_stager=record.stager)
+            if asynchronous:  # returns at once: the copy and the write go on in threads
+                if cuda:  # the side stream does not wait for the training stream: this step's weights must be final
+                    torch.cuda.current_stream().synchronize()
+                dying = cfg.crash_in_staging == step and rank == crash_rank and first_attempt()
+                record.stager = DyingStager(staging, step) if dying else stager or DefaultStager(staging)
+                response = dcp.async_save(state, storage_writer=writer, process_group=save_group,
+                                          async_stager=record.stager)  # an AsyncSaveResponse: staging is async
+                record.staging, record.future = response.staging_completion, response.upload_completion
+                record.staging.add_done_callback(lambda _: setattr(record, "staged_at", time.perf_counter()))
                 record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
                 record.blocking_s = time.perf_counter() - t0
                 return record
@@ -349,13 +415,12 @@ def main(cfg):
             record.blocking_s = record.done_at - t0
             return finish_save(record)
 
-        def finish_save(record):
-            """Wait for a save to commit, then make it durable, prune and report it."""
+        def finish_save(record, in_loop=True):
+            """Wait for a save to commit (in the loop, the wait blocks training), then make it durable,
+            prune and report it."""
             if record.future is not None:
-                try:
-                    record.future.result()
-                except (Exception, CheckpointException) as e:
-                    save_failed(record.step, e)
+                waited = wait(record.future, record.step)
+                record.blocking_s += waited if in_loop else 0.0
                 if record.stager is not stager:  # a stager of its own: its buffers are no longer needed
                     record.stager.close()
             nbytes = 0
@@ -365,9 +430,12 @@ def main(cfg):
                 nbytes = sum(f.stat().st_size for f in record.path.iterdir())
                 prune(ckpt_dir, cfg.keep, record.step)
             total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
-            monitor.event("save", step=record.step, blocking_s=record.blocking_s, total_s=total_s, bytes=nbytes)
+            staging_s = (record.staged_at or record.done_at or time.perf_counter()) - record.t0 if record.future else None
+            monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=staging_s, total_s=total_s,
+                          bytes=nbytes)
             print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
-                   f" total {total_s * 1000:.0f} ms)")
+                   + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
+                   + f" total {total_s * 1000:.0f} ms)")
             return None
 
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
@@ -384,6 +452,9 @@ def main(cfg):
             loss.backward()  # reduce-scatter: each rank ends with the mean gradient of its shard
             if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if pending and pending.staging:  # the optimizer must not change weights a save is still copying
+                pending.blocking_s += wait(pending.staging, pending.step)
+                pending.staging = None
             lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -392,13 +463,14 @@ def main(cfg):
             mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
-                    finish_save(pending)
+                    finish_save(pending, in_loop=False)
                 fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
                      "steps are kept", code=3)
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            saving = pending is not None and (pending.done_at or math.inf) > t0  # an async save was in flight
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
-                         mfu=mfu(flops_per_step, dt, device))
+                         mfu=mfu(flops_per_step, dt, device), saving=saving)
 
             guard.measured(step_times)
             if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
@@ -418,7 +490,7 @@ def main(cfg):
         # --------------------------------------------------------------------- teardown
         set_collective_timeout(cfg.timeout_s)
         if pending:
-            finish_save(pending)
+            finish_save(pending, in_loop=False)
         if stager:
             stager.close()
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.

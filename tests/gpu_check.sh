@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check (opt-in, one GPU, about 7 minutes on an H200): the CUDA + NCCL + bf16 path of both
-# scripts on the largest preset (tokens/s, MFU, peak memory, save times), then on the GPU a run
-# crashed after step 25 and restarted by torchrun against one never crashed (digests must match).
+# The GPU check (opt-in, one GPU, about 7 minutes on an H200 before the compiled runs were added): the
+# CUDA + NCCL + bf16 path of both scripts on the largest preset with async saves (tokens/s, MFU, peak
+# memory, save times), then on the GPU a run crashed after step 25 and restarted by torchrun against one
+# never crashed (digests must match), for ddp, fsdp and fsdp with --compile.
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=10 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
 # OUT (default /tmp/devout) receives the log and both summary.json files. Exit 1 if any run failed,
@@ -42,7 +43,7 @@ PY
 
 # 1. The largest preset, bf16, one GPU: throughput, MFU, memory, a save in the middle and at the end.
 for s in fsdp ddp; do
-  extra=(); [ $s = fsdp ] && extra=(--async-save)
+  extra=(--async-save)  # pinned staging buffers; fsdp's copy runs in a thread, ddp's on the main thread
   log "$s 1 --preset $BIG"
   MAX_RESTARTS=0 timeout 240 bash run.sh $s 1 --preset $BIG --batch-size $BATCH --steps $STEPS \
     --save-every $((STEPS / 2)) --log-every 5 --run-dir $R/$s-big "${extra[@]}" > $R/$s-big.log 2>&1
@@ -53,23 +54,26 @@ for s in fsdp ddp; do
   du -sh $R/$s-big/ckpt/*; rm -rf $R/$s-big/ckpt
 done
 
-# 2. Bitwise resume on the GPU: a run killed after step 25 and restarted by torchrun against one never killed.
-for s in fsdp ddp; do
-  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40); [ $s = fsdp ] && flags+=(--async-save)
-  log "$s resume on $SMALL"
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref > $R/$s-ref.log 2>&1
-  verify $R/$s-ref $? 0
-  grep -E "^done|Error" $R/$s-ref.log | tail -2
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-crash --crash-at-step 25 > $R/$s-crash.log 2>&1
-  verify $R/$s-crash $? 1
-  grep -E "injected|resuming|^done|Error" $R/$s-crash.log | tail -4
-  same() { python3 -c "import json,sys; a,b=(json.load(open(f'$R/$s-{n}/summary.json'))['param_digest'] for n in sys.argv[1:]); print('$s', *sys.argv[1:], 'digest equal' if a==b else 'DIGEST DIFFERS')" "$@"; }
+# 2. Bitwise resume on the GPU: a run killed after step 25 and restarted by torchrun against one never
+# killed; fsdp-compiled: each block torch.compile'd (the restarted job compiles again).
+for name in fsdp ddp fsdp-compiled; do
+  s=${name%-compiled}
+  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40 --async-save)
+  [ $name = fsdp-compiled ] && flags+=(--compile)
+  log "$name resume on $SMALL"
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-ref > $R/$name-ref.log 2>&1
+  verify $R/$name-ref $? 0
+  grep -E "^done|Error" $R/$name-ref.log | tail -2
+  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-crash --crash-at-step 25 > $R/$name-crash.log 2>&1
+  verify $R/$name-crash $? 1
+  grep -E "injected|resuming|^done|Error" $R/$name-crash.log | tail -4
+  same() { python3 -c "import json,sys; a,b=(json.load(open(f'$R/$name-{n}/summary.json'))['param_digest'] for n in sys.argv[1:]); print('$name', *sys.argv[1:], 'digest equal' if a==b else 'DIGEST DIFFERS')" "$@"; }
   same ref crash
-  if ! grep -q "$(python3 -c "import json; print(json.load(open('$R/$s-ref/summary.json'))['param_digest'])")" $R/$s-crash/summary.json; then
-    failed+=("$s: the resumed run's digest differs from the uninterrupted one")
-    log "$s: a second uninterrupted run, to tell GPU nondeterminism from a resume bug"
-    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$s-ref2 > $R/$s-ref2.log 2>&1
-    verify $R/$s-ref2 $? 0
+  if ! grep -q "$(python3 -c "import json; print(json.load(open('$R/$name-ref/summary.json'))['param_digest'])")" $R/$name-crash/summary.json; then
+    failed+=("$name: the resumed run's digest differs from the uninterrupted one")
+    log "$name: a second uninterrupted run, to tell GPU nondeterminism from a resume bug"
+    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-ref2 > $R/$name-ref2.log 2>&1
+    verify $R/$name-ref2 $? 0
     same ref ref2
   fi
 done

@@ -36,10 +36,24 @@ def test_fsdp_holds_at_most_030_of_ddp_model_state_per_rank_at_4_ranks(results):
     assert fsdp["state_bytes_per_rank"] <= 0.30 * ddp["state_bytes_per_rank"]
 
 
-def test_async_save_blocks_the_loop_less_than_a_synchronous_save(results):
+def test_async_save_blocks_the_loop_for_a_fraction_of_a_synchronous_save(results):
     sync, async_ = results["main"]["fsdp"], results["main"]["fsdp --async-save"]
     assert async_["save_blocking_s"] < async_["save_total_s"]
-    assert async_["save_blocking_s"] < sync["save_blocking_s"]
+    assert 0 < async_["save_staging_s"] < async_["save_total_s"]
+    # The loop waits for a fraction of what a synchronous save of the same state takes: 0.04-0.15 measured
+    # alone on 2 cores, 0.32 once beside other jobs; the bound leaves room for such a machine, not for a
+    # save that stalls the loop.
+    assert async_["blocking_vs_sync"] == async_["save_blocking_s"] / sync["save_total_s"] <= 0.5, async_
+    # Steps that overlapped the write are marked, so their slowdown is measured; no sync step overlaps one.
+    assert async_["step_slowdown_while_saving"] > 0 and sync["step_slowdown_while_saving"] is None
+    assert "blocking_vs_sync" not in sync and sync["save_staging_s"] is None
+
+
+def test_ratios_to_the_disk_and_start_up_memory_are_measured_for_every_column(results):
+    for strategy, row in results["main"].items():
+        assert row["write_vs_disk"] == row["write_bytes_per_s"] / row["disk_reference_bytes_per_s"] > 0, strategy
+        # the 'built' event of each script: rank 0 and the largest of the others
+        assert row["startup_peak_bytes_rank0"] >= 0 and row["startup_peak_bytes_others"] >= 0, strategy
 
 
 def test_results_record_where_they_were_measured(results):

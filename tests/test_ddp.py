@@ -75,7 +75,9 @@ def test_launch_without_the_rendezvous_variable_is_refused_in_one_line(tmp_path)
 
 
 def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--crash-in-save", 8, restarts=1)
+    # An async save: rank 0's writer thread dies with the file written, not renamed, while the loop trains
+    # on (a synchronous save writes through the same atomic_save, on the main thread).
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, restarts=1)
     assert "injected crash: rank 0 while saving step 8" in proc.stderr
     result = summary(tmp_path)
     assert result["resumed_from_step"] == 4  # the step-8 file was never committed
@@ -231,9 +233,11 @@ def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
 
-    proc = single(tmp_path, *SMALL, code=3, preexec_fn=file_size_limit)
-    assert "error: saving step 12 failed (File too large): the checkpoints of earlier steps are kept" in proc.stderr
-    assert files(tmp_path) == before  # no temp file left behind, step 8 as it was
+    for flags in ([], ["--async-save"]):  # an async save's write fails in its thread: noticed at the next save
+        proc = single(tmp_path, *SMALL, *flags, code=3, preexec_fn=file_size_limit)
+        assert proc.stderr.strip().splitlines()[-1].endswith(
+            "error: saving step 12 failed (File too large): the checkpoints of earlier steps are kept")
+        assert files(tmp_path) == before  # no temp file left behind, step 8 as it was
     proc = single(tmp_path, *SMALL)  # space again: the job resumes from the last good checkpoint
     assert "resuming from step 8" in proc.stdout and summary(tmp_path)["steps"] == 16
 
