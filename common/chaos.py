@@ -63,6 +63,7 @@ from common.launch import finish, kill_node, problems, start, torchrun, workers 
 
 JOBS = {  # strategy -> (script, flags)
     "ddp": ("ddp/train.py", []),
+    "ddp-async": ("ddp/train.py", ["--async-save"]),
     "fsdp": ("fsdp/train.py", []),
     "fsdp-async": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
@@ -98,6 +99,8 @@ POLL_S = 0.005  # how often the metrics files are read while waiting for a step
 def applies(kind, strategy):
     if kind in ("node-lost", "preempt"):  # the parameter server neither reshards nor saves on SIGTERM
         return not strategy.startswith("rpc")
+    # DDP's async write of a small job takes milliseconds: a SIGKILL from outside cannot be aimed into
+    # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
     return kind != "async-in-flight" or strategy == "fsdp-async"
 
 
