@@ -371,8 +371,11 @@ def test_async_staleness_never_exceeds_the_bound(async_job):
     assert all(e["step"] - e["version"] > 2 for e in events if e["event"] == "stale_dropped")
 
 
-def test_async_fast_trainer_is_not_held_by_the_straggler(async_job):
-    # In sync mode each trainer does one step per update; here the fast one goes on without the slow one.
-    run_dir, _, _ = async_job
-    fast, slow = (len(metrics(run_dir, rank, "step")) for rank in (1, 2))
-    assert fast >= 1.5 * slow, (fast, slow)
+def test_async_updates_take_the_first_gradients_whoever_sent_them(async_job):
+    # Sync waits for one gradient from every live trainer; async takes the first two that arrive, so with
+    # one trainer 3x slower some updates hold two of the same trainer's: nobody waited for the other. (How
+    # much faster that is depends on the machine: `bash run.sh compare 4` measures it. A count of steps
+    # per trainer is no test of it on 2 shared cores, where the other trainer can be the slower one.)
+    _, _, events = async_job
+    updates = final_history(events).values()
+    assert any(len({trainer for trainer, _, _ in update}) < len(update) for update in updates), list(updates)
