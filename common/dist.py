@@ -1,4 +1,4 @@
-"""Distributed setup in a few visible lines: device, backend, timeout, print0, fault injection."""
+"""Distributed setup in a few visible lines: device, backend, timeout, agreeing ranks, print0, fault injection."""
 import contextlib
 import datetime
 import os
@@ -63,6 +63,13 @@ def refuse_unsafe_restarts():
             raise SystemExit(2)
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
+
+
+def agree(ok, device):
+    """True only if `ok` holds on every rank, so that all ranks take the same branch after a local failure."""
+    flag = torch.tensor(int(ok), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it saved, and expects a restart

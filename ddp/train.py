@@ -37,8 +37,8 @@ from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoin
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
-                         set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, agree, crash, exit_without_finalizing, first_attempt, print0,
+                         restarts, set_collective_timeout, setup, teardown)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import CommTimer, Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
 
@@ -135,9 +135,8 @@ def main(cfg):
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
-        # prune and overwrite this one's checkpoints.
-        lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
+        # Rank 0 holds the run folder's lock until it exits: a second job would prune this one's checkpoints.
+        lock = lock_run_dir(run_dir) if rank == 0 else True
         if lock is None:
             fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
@@ -263,9 +262,7 @@ def main(cfg):
                     nbytes = record.future.result()
                 except Exception as e:
                     error = e
-            ok = torch.tensor(int(error is None), device=device)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            if not ok.item():
+            if not agree(error is None, device):
                 if rank == 0:
                     fail(f"saving step {record.step} failed ({getattr(error, 'strerror', None) or error}): "
                          "the checkpoints of earlier steps are kept", code=3)

@@ -9,10 +9,10 @@ every rank, auto-resume at the same or another world size, and optional async sa
     python fsdp/train.py --export model.pt             # one process; write the final weights as one file
 
 Each rank holds 1/world of the parameters, gradients and optimizer state (fully_shard per block,
-then the root). A checkpoint is a folder ckpt/step-NNNNNNNN/: every rank writes its own shards,
-then rank 0 adds train.pt (step, config, every rank's RNG) and DCP's `.metadata` last, which
-commits it. Resume takes the newest committed folder that loads on every rank (each is tried twice),
-reshards it to the current world size, and continues with the same global batch. Newer folders
+then the root). A checkpoint is a folder ckpt/step-NNNNNNNN/: every rank writes its own shards, then
+rank 0 adds train.pt (step, config, every rank's RNG) and DCP's `.metadata` last, which commits it
+(fsdp/saving.py). Resume takes the newest committed folder that loads on every rank (each is tried
+twice), reshards it to the current world size, and continues with the same global batch. Newer folders
 that did not load are moved aside, never deleted. A loss that is not finite stops the job unsaved.
 """
 import dataclasses
@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,22 +34,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.torch_version import TorchVersion
 
 from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
                                newest_resume_problem, param_digest, prune, remove, resume_problem, rng_state, seed_rng,
                                set_rng_state, step_name)
 from common.config import common_problems, fail, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, crash, exit_without_finalizing, first_attempt, print0, restarts,
-                         set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, agree, crash, exit_without_finalizing, first_attempt, print0,
+                         restarts, set_collective_timeout, setup, teardown)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
+from fsdp.saving import REUSE_STAGER, DyingStager, Save, Writer, describe_staging, save_failed, staging_options
 
 
 # ----------------------------------------------------------------------------- config
@@ -98,9 +97,6 @@ class Config:
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
-# torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
-# copy); 2.13 and later reuse one, and its buffers, for the whole run.
-REUSE_STAGER = TorchVersion(torch.__version__) >= "2.13"
 
 
 def check(cfg):
@@ -117,13 +113,6 @@ def lr_at(cfg, step):
         return cfg.lr * (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def agree(ok, device):
-    """True only if `ok` holds on every rank, so that all ranks take the same branch after a local failure."""
-    flag = torch.tensor(int(ok), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def scatter_from_rank0(model, full_state):
@@ -189,92 +178,14 @@ def resume(candidates, model, optimizer, device, rank, monitor):
     return None, None, None, unreadable
 
 
-@dataclass
-class Save:
-    """A checkpoint being written. blocking_s is what the training loop waited for it: the call, then
-    for an async save the wait for its copy (staging) before the next optimizer step and the wait for
-    its commit before the next save (not the wait at the end of the job: no step is left to stall).
-    An async save also holds the futures of its staging (None once waited for) and of its write, and
-    the stager that holds the staged copy."""
-    step: int
-    path: Path
-    t0: float
-    blocking_s: float = 0.0
-    staged_at: Optional[float] = None
-    done_at: Optional[float] = None
-    staging: Optional[Future] = None
-    future: Optional[Future] = None
-    stager: Optional[DefaultStager] = None
-
-
-def wait(future, step):
-    """Wait for a future of the save of `step` and return the seconds waited; a failure is save_failed."""
-    t0 = time.perf_counter()
-    try:
-        future.result()
-    except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
-        save_failed(step, e)
-    return time.perf_counter() - t0
-
-
-def save_failed(step, error):
-    """One line and exit 3 for a save that failed (a full disk): its folder is never committed, so the
-    checkpoints of earlier steps stay the ones a restart loads."""
-    reason = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
-    fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
-
-
-class Writer(dcp.FileSystemWriter):
-    """DCP's file writer (`thread_count` threads a rank) that also writes train.pt. DCP calls
-    prepare_local_plan on every rank, in the thread that saves, before it gathers their plans: each
-    rank's RNG state `rng` goes to rank 0 there (over `group`, the one DCP saves over), so an async save
-    gathers it off the training loop. DCP calls finish() on rank 0 once every rank's shards are on disk,
-    to write `.metadata`, the commit: `train` and the RNG states go into train.pt there, just before."""
-
-    def __init__(self, path, train, rng, group, thread_count):
-        super().__init__(path, thread_count=thread_count)
-        self.train, self.rng, self.group = train, rng, group
-
-    def prepare_local_plan(self, plan):
-        rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
-        dist.gather_object(self.rng, rngs, dst=0, group=self.group)
-        self.train = {**self.train, "rng": rngs}
-        return super().prepare_local_plan(plan)
-
-    def finish(self, metadata, results):
-        atomic_save(self.train, Path(self.path) / "train.pt")
-        super().finish(metadata, results)
-
-
-class TornWriter(Writer):
-    """--crash-in-save: dies on rank 0 where the commit would be written, leaving a torn folder."""
-
-    def finish(self, metadata, results):
-        atomic_save(self.train, Path(self.path) / "train.pt")
-        crash(f"rank 0 while saving {self.path}: shards written, not committed")
-
-
-class DyingStager(DefaultStager):
-    """--crash-in-staging: dies in the staging thread as it starts copying the shards of `step`, while
-    the training loop goes on: the save is never committed."""
-
-    def __init__(self, options, step):
-        super().__init__(options)
-        self.step = step
-
-    def _stage(self, state_dict, **kwargs):  # what DefaultStager runs in its thread
-        crash(f"rank {dist.get_rank()} while staging step {self.step}: the copy of its shards begun, not finished")
-
-
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     rank, world, device = setup(cfg.device, cfg.timeout_s)
     try:
         run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        # Rank 0 holds the run folder's lock until it exits: a second job on the same folder would
-        # prune and overwrite this one's checkpoints.
-        lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
+        # Rank 0 holds the run folder's lock until it exits: a second job would prune this one's checkpoints.
+        lock = lock_run_dir(run_dir) if rank == 0 else True
         if lock is None:
             fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
@@ -323,9 +234,8 @@ def main(cfg):
         fused = True if device.type == "cuda" and not cfg.cpu_offload else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
-        print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute,"
-               f" sharded over {world} ranks{', blocks compiled' if cfg.compile else ''}"
-               f"{', fused AdamW' if fused else ''}")
+        print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute, sharded over {world}"
+               f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
         # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
@@ -366,23 +276,15 @@ def main(cfg):
                 print(f"removed {p.name} (never committed)", flush=True)
         monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
 
-        # An async save copies this rank's shards into CPU buffers (staging), then writes those in a
-        # thread while training goes on. The copy runs in a thread of its own too (async staging): the
-        # loop waits for it only before its next optimizer step, which would change the weights being
-        # copied. On CUDA the buffers are pinned and the copies non-blocking, on a stream of their own;
-        # the CPU has neither (pageable buffers, plain copies). Where the torch version allows, one
-        # stager keeps its buffers, a CPU copy of this rank's state, for the whole run and copies into
-        # them again at each save (the previous save has committed by then); elsewhere each save gets a
-        # fresh stager, closed once it has committed.
+        # An async save copies this rank's shards into CPU buffers (staging), then writes them, both in
+        # threads (fsdp/saving.py): the loop waits for the copy only before its next optimizer step, which
+        # would change the weights being copied. Where the torch version allows, one stager keeps its
+        # buffers for the run and copies into them again at each save; else each save gets a fresh one.
         cuda = device.type == "cuda"
-        staging = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                 use_non_blocking_copy=cuda)
+        staging = staging_options(cuda)
         stager = DefaultStager(staging) if cfg.async_save and REUSE_STAGER else None
         if cfg.async_save:
-            print0(f"async save: staged in a background thread into {'pinned' if cuda else 'pageable'} CPU buffers"
-                   + (" by non-blocking copies on a side stream" if cuda else " (pinned memory needs CUDA)") + "; "
-                   + ("one stager for the run, its buffers reused" if REUSE_STAGER else
-                      f"a stager per save (torch {torch.__version__} cannot reuse one)"))
+            print0(describe_staging(cuda))
 
         def save(step, asynchronous):
             """Start the checkpoint of `step`: every rank's shards through DCP, then rank 0's train.pt and
@@ -391,9 +293,10 @@ def main(cfg):
             path = ckpt_dir / step_name(step)
             train = {"format": FORMAT, "step": step, "world_size": world, "config": dataclasses.asdict(cfg)}
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
-            torn = cfg.crash_in_save == step and first_attempt()
-            writer = (TornWriter if torn else Writer)(path, train, rng_state(), save_group if asynchronous else None,
-                                                     thread_count=cfg.save_threads)
+            torn = None
+            if cfg.crash_in_save == step and first_attempt():
+                torn = lambda: crash(f"rank 0 while saving {path}: shards written, not committed")  # noqa: E731
+            writer = Writer(path, train, rng_state(), save_group if asynchronous else None, cfg.save_threads, torn)
             record = Save(step, path, t0)
             if asynchronous:  # returns at once: the copy and the write go on in threads
                 if cuda:  # the side stream does not wait for the training stream: this step's weights must be final
@@ -418,11 +321,9 @@ def main(cfg):
         def finish_save(record, in_loop=True):
             """Wait for a save to commit (in the loop, the wait blocks training), then make it durable,
             prune and report it."""
-            if record.future is not None:
-                waited = wait(record.future, record.step)
-                record.blocking_s += waited if in_loop else 0.0
-                if record.stager is not stager:  # a stager of its own: its buffers are no longer needed
-                    record.stager.close()
+            record.wait_committed(in_loop)
+            if record.stager not in (None, stager):  # a stager of its own: its buffers are no longer needed
+                record.stager.close()
             nbytes = 0
             if rank == 0:  # the commit reaches the disk before older checkpoints are deleted
                 fsync_dir(record.path)
@@ -430,7 +331,7 @@ def main(cfg):
                 nbytes = sum(f.stat().st_size for f in record.path.iterdir())
                 prune(ckpt_dir, cfg.keep, record.step)
             total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
-            staging_s = (record.staged_at or record.done_at or time.perf_counter()) - record.t0 if record.future else None
+            staging_s = record.staging_s()
             monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=staging_s, total_s=total_s,
                           bytes=nbytes)
             print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
@@ -452,9 +353,8 @@ def main(cfg):
             loss.backward()  # reduce-scatter: each rank ends with the mean gradient of its shard
             if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if pending and pending.staging:  # the optimizer must not change weights a save is still copying
-                pending.blocking_s += wait(pending.staging, pending.step)
-                pending.staging = None
+            if pending:  # the optimizer must not change weights a save is still copying
+                pending.wait_staged()
             lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -506,8 +406,7 @@ def main(cfg):
                 "median_step_s": statistics.median(step_times) if step_times else None,
                 "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
                 "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
-                "device": device_name(device), **memory(device),
-                "async_save": cfg.async_save,
+                "device": device_name(device), **memory(device), "async_save": cfg.async_save,
             }
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

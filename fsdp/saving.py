@@ -1,0 +1,129 @@
+"""How fsdp/train.py writes a DCP checkpoint, synchronously or while training goes on: the writer
+that commits a folder (train.pt, then DCP's `.metadata`), the record of a save in flight and its
+waits, the staging options, and the two faults the tests inject into a save.
+
+What a checkpoint holds, and how it is loaded, is in fsdp/train.py (`save`, `load_checkpoint`).
+"""
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.torch_version import TorchVersion
+
+from common.checkpoint import atomic_save
+from common.config import fail
+from common.dist import crash
+
+# torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
+# copy); 2.13 and later reuse one, and its buffers, for the whole run.
+REUSE_STAGER = TorchVersion(torch.__version__) >= "2.13"
+
+
+def staging_options(cuda):
+    """An async save copies this rank's shards into CPU buffers (staging) in a thread of its own. On
+    CUDA the buffers are pinned and the copies non-blocking, on a stream of their own; the CPU has
+    neither (non-blocking copies raise without an accelerator, pin_memory is ignored)."""
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                          use_non_blocking_copy=cuda)
+
+
+def describe_staging(cuda):
+    return (f"async save: staged in a background thread into {'pinned' if cuda else 'pageable'} CPU buffers"
+            + (" by non-blocking copies on a side stream" if cuda else " (pinned memory needs CUDA)") + "; "
+            + ("one stager for the run, its buffers reused" if REUSE_STAGER else
+               f"a stager per save (torch {torch.__version__} cannot reuse one)"))
+
+
+class Writer(dcp.FileSystemWriter):
+    """DCP's file writer (`thread_count` threads a rank) that also writes train.pt. DCP calls
+    prepare_local_plan on every rank, in the thread that saves, before it gathers their plans: each
+    rank's RNG state `rng` goes to rank 0 there (over `group`, the one DCP saves over), so an async save
+    gathers it off the training loop. DCP calls finish() on rank 0 once every rank's shards are on disk,
+    to write `.metadata`, the commit: `train` and the RNG states go into train.pt there, just before.
+    `before_commit` runs between the two (fault injection), as in common.checkpoint.atomic_write."""
+
+    def __init__(self, path, train, rng, group, thread_count, before_commit=None):
+        super().__init__(path, thread_count=thread_count)
+        self.train, self.rng, self.group, self.before_commit = train, rng, group, before_commit
+
+    def prepare_local_plan(self, plan):
+        rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
+        dist.gather_object(self.rng, rngs, dst=0, group=self.group)
+        self.train = {**self.train, "rng": rngs}
+        return super().prepare_local_plan(plan)
+
+    def finish(self, metadata, results):
+        atomic_save(self.train, Path(self.path) / "train.pt")
+        if self.before_commit:
+            self.before_commit()
+        super().finish(metadata, results)
+
+
+class DyingStager(DefaultStager):
+    """--crash-in-staging: dies in the staging thread as it starts copying the shards of `step`, while
+    the training loop goes on: the save is never committed."""
+
+    def __init__(self, options, step):
+        super().__init__(options)
+        self.step = step
+
+    def _stage(self, state_dict, **kwargs):  # what DefaultStager runs in its thread
+        crash(f"rank {dist.get_rank()} while staging step {self.step}: the copy of its shards begun, not finished")
+
+
+@dataclass
+class Save:
+    """A checkpoint being written. blocking_s is what the training loop waited for it: the call, then
+    for an async save the wait for its copy (staging) before the next optimizer step and the wait for
+    its commit before the next save (not the wait at the end of the job: no step is left to stall).
+    An async save also holds the futures of its staging (None once waited for) and of its write, and
+    the stager that holds the staged copy."""
+    step: int
+    path: Path
+    t0: float
+    blocking_s: float = 0.0
+    staged_at: Optional[float] = None
+    done_at: Optional[float] = None
+    staging: Optional[Future] = None
+    future: Optional[Future] = None
+    stager: Optional[DefaultStager] = None
+
+    def wait_staged(self):
+        """Before an optimizer step, which must not change weights this save is still copying."""
+        if self.staging:
+            self.blocking_s += wait(self.staging, self.step)
+            self.staging = None
+
+    def wait_committed(self, in_loop):
+        """Until every rank's shards and the commit are on disk; in the loop, the wait blocks training."""
+        if self.future is not None:
+            waited = wait(self.future, self.step)
+            self.blocking_s += waited if in_loop else 0.0
+
+    def staging_s(self):
+        """Seconds from the call to the end of the copy (async saves only)."""
+        return (self.staged_at or self.done_at or time.perf_counter()) - self.t0 if self.future else None
+
+
+def wait(future, step):
+    """Wait for a future of the save of `step` and return the seconds waited; a failure is save_failed."""
+    t0 = time.perf_counter()
+    try:
+        future.result()
+    except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
+        save_failed(step, e)
+    return time.perf_counter() - t0
+
+
+def save_failed(step, error):
+    """One line and exit 3 for a save that failed (a full disk): its folder is never committed, so the
+    checkpoints of earlier steps stay the ones a restart loads."""
+    reason = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
+    fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
