@@ -1,5 +1,6 @@
 """A parameter server on torch.distributed.rpc that survives failures: a checkpointed server,
-stateless trainers, and lost trainers dropped after a timeout.
+stateless trainers, and lost trainers dropped after a timeout. The server's state and its updates,
+sync and async, are in rpc/server.py: copy it with this script.
 
     bash run.sh rpc 4                                  # torchrun, 4 processes: rank 0 the server, 1-3 trainers
     bash run.sh rpc 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
@@ -21,37 +22,33 @@ loss that is not finite stops the job before it saves.
 
     bash run.sh rpc 4 --mode async --slow-trainer 3 --slow-factor 3   # a 3x slower trainer slows no one
 
---mode async: a push is queued with the version it was computed on and answered at once with the
-newest weights, so no trainer waits for another. An update averages the first --updates-per-step
-queued gradients, from any trainers, in arrival order; the push that completes them (or arrives
-while they are complete) is answered by that update. A gradient computed more than --max-staleness
-updates before the one that would apply it is dropped, and counted. A trainer's n-th step trains on
-its rows of global batch n (sync: of the server's step n); the server counts each trainer's steps
-taken and saves the counts. A trainer that froze or left is simply not heard from: async mode drops
-no one. Arrival order decides the weights, so two async runs are not bitwise equal; what holds
-instead, whatever process crashes: the server resumes at its last checkpoint with the weights and
-optimizer state it saved (its save and load events carry their digest), no gradient is applied
-twice (each update lists the (trainer, trainer step) it applied; the trainers go on from the saved
-counts), and no applied gradient is staler than the bound.
+--mode async: no trainer waits for another. An update averages the first --updates-per-step
+gradients that arrive, from any trainers; a gradient computed more than --max-staleness updates
+before the one that would apply it is dropped, and counted (rpc/server.py says how). A trainer's
+n-th step trains on its rows of global batch n (sync: of the server's step n); the server counts
+each trainer's steps taken and saves the counts. A trainer that froze or left is simply not heard
+from: async mode drops no one. Arrival order decides the weights, so two async runs are not bitwise
+equal; what holds instead, whatever process crashes: the server resumes at its last checkpoint with
+the weights and optimizer state it saved (its save and load events carry their digest), no gradient
+is applied twice (each update lists the (trainer, trainer step) it applied; the trainers go on from
+the saved counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
 
 import torch
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
 from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
                                newest_resume_problem, param_digest, prune, resume_problem, rng_state, seed_rng,
@@ -62,6 +59,7 @@ from common.dist import (crash, exit_without_finalizing, first_attempt, pick_dev
                          restarts)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, state_bytes
+from rpc.server import ParameterServer, Reply, set_server
 
 
 # ----------------------------------------------------------------------------- config
@@ -133,233 +131,10 @@ def check(cfg):
     return problems + [resume] if resume else problems
 
 
-def lr_at(cfg, step):
-    """Linear warmup, then cosine decay to min_lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------- parameter server
-class Pushed(NamedTuple):
-    """A gradient waiting for an update, and where its answer goes."""
-    trainer: int
-    trainer_step: int  # which step of the trainer's own (sync: the server's step)
-    version: int  # the server step it was computed on
-    grads: list
-    loss: float
-    reply: torch.futures.Future
-
-
-class Reply(NamedTuple):
-    """What a trainer gets back from a pull or a push: the weights after `step` updates, or why it stops."""
-    step: int
-    weights: Optional[dict]
-    stop: Optional[str] = None  # set: the trainer stops (it was dropped, the server stopped, or is gone)
-    trainer_step: int = 0  # a pull's: the trainer's steps the server has taken (async: where the trainer goes on)
-
-
-class ParameterServer:
-    """The model, the optimizer, the version (completed updates) and the trainers, behind one lock.
-
-    push() runs on RPC threads and only records a gradient (async: and answers it with the newest
-    weights, unless it completes an update). The main thread, in wait_until_done(), runs every update
-    whole under the lock: gradients in, optimizer step, checkpoint, replies out. So no push sees half
-    an update, and a failure in one (a diverged loss, a failed save, an injected crash) ends the
-    process from its main thread."""
-
-    def __init__(self, model, optimizer, cfg, monitor, trainers, version, lost, after_update, trainer_steps=None):
-        self.model, self.optimizer, self.cfg, self.monitor = model, optimizer, cfg, monitor
-        self.rows_per_trainer = cfg.batch_size // trainers
-        self.tokens_per_trainer = self.rows_per_trainer * cfg.seq_len
-        self.lost = dict(lost)  # trainer rank -> the step it was dropped at; it stays dropped for the job
-        self.live = set(range(1, trainers + 1)) - self.lost.keys()  # the trainers an update waits for
-        self.version = version
-        self.after_update = after_update  # after_update(step): fault injection and checkpoint, under the lock
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # wakes the main thread
-        self.pushed = []  # gradients not applied yet: sync, this version's; async, in arrival order
-        self.updates_per_step = cfg.updates_per_step or len(self.live)  # async: gradients an update averages
-        self.trainer_steps = dict(trainer_steps or {})  # trainer rank -> its steps applied or dropped
-        self.staleness, self.stale_dropped = [], 0  # of each gradient applied; how many were dropped
-        self.left = set()  # trainers that have the last update's weights and said so
-        self.version_started = self.waiting_since = time.monotonic()
-        self.step_times, self.loss = [], None
-        self.reply = self.snapshot()
-
-    def snapshot(self):
-        """A copy of the weights, so no reply in flight can see a later update's weights."""
-        return Reply(self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
-
-    def pull(self, trainer):
-        with self.lock:
-            if trainer not in self.live:
-                return Reply(self.version, None, "dropped by the server")
-            return self.reply._replace(trainer_step=self.trainer_steps.get(trainer, 0))
-
-    def push(self, trainer, version, grads, loss, trainer_step=None):
-        """A future of the Reply to this push of a gradient computed on `version` at the trainer's own
-        `trainer_step` (None: the version, as in sync), completed by the next update (or at once if the
-        trainer was dropped). async: at once with the newest weights, unless an update is due."""
-        future = torch.futures.Future()
-        with self.lock:
-            if trainer not in self.live:
-                future.set_result(Reply(self.version, None, "dropped by the server"))
-            elif self.cfg.mode == "sync" and version != self.version:
-                future.set_exception(ValueError(f"trainer {trainer} pushed for step {version}, "
-                                                f"the server is at step {self.version}"))
-            else:
-                if not self.pushed:  # the first gradient waiting: the straggler clock starts
-                    self.waiting_since = time.monotonic()
-                own_step = version if trainer_step is None else trainer_step
-                self.pushed.append(Pushed(trainer, own_step, version, grads, loss, future))
-                if self.cfg.mode == "async" and not self.update_due():
-                    future.set_result(self.reply)
-                self.changed.notify_all()
-        return future
-
-    def leave(self, trainer):
-        """A trainer has the last update's weights: the server need not stay up for it."""
-        with self.lock:
-            self.left.add(trainer)
-            self.changed.notify_all()
-
-    @staticmethod
-    def pull_remote(trainer):
-        return SERVER.pull(trainer)
-
-    @staticmethod
-    @rpc.functions.async_execution  # the RPC thread returns at once; the reply is sent when the future completes
-    def push_remote(trainer, version, grads, loss, trainer_step):
-        return SERVER.push(trainer, version, grads, loss, trainer_step)
-
-    @staticmethod
-    def leave_remote(trainer):
-        SERVER.leave(trainer)
-
-    def update_due(self):
-        """sync: every live trainer has pushed. async: --updates-per-step fresh enough gradients wait."""
-        if self.version >= self.cfg.steps or not self.pushed:
-            return False
-        if self.cfg.mode == "sync":
-            return self.live <= {p.trainer for p in self.pushed}
-        fresh = sum(self.version - p.version <= self.cfg.max_staleness for p in self.pushed)
-        return fresh >= self.updates_per_step
-
-    def drop_stale(self):
-        """async: the gradients now more than --max-staleness updates old are counted, never applied."""
-        fresh = []
-        for p in self.pushed:
-            if self.version - p.version <= self.cfg.max_staleness:
-                fresh.append(p)
-                continue
-            self.trainer_steps[p.trainer] = p.trainer_step + 1
-            self.stale_dropped += 1
-            self.monitor.event("stale_dropped", step=self.version, trainer=p.trainer, trainer_step=p.trainer_step,
-                               version=p.version)
-            answer([p], self.reply)
-        self.pushed = fresh
-
-    def update(self):
-        """Average the gradients of an update, step, save, answer. Main thread, under the lock. sync: every
-        live trainer's, in trainer order (so arrival order cannot change the result); async: the first
-        --updates-per-step queued, in arrival order."""
-        if self.cfg.mode == "sync":
-            taken, self.pushed = sorted(self.pushed, key=lambda p: p.trainer), []
-        else:
-            taken, self.pushed = self.pushed[:self.updates_per_step], self.pushed[self.updates_per_step:]
-        step = self.version + 1
-        loss = sum(p.loss for p in taken) / len(taken)
-        if not math.isfinite(loss):  # diverged: stop before the weights change and anything is saved
-            answer(taken + self.pushed, Reply(self.version, None, f"the server stopped: loss {loss}"))
-            fail(f"loss is {loss} at step {step}: stopping without saving, the checkpoints of earlier steps are kept",
-                 code=3)
-        for i, param in enumerate(self.model.parameters()):
-            param.grad = sum(p.grads[i] for p in taken) / len(taken)
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        lr = lr_at(self.cfg, self.version)  # a function of the step: a resume, even with a new --lr, needs no schedule
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.staleness += [self.version - p.version for p in taken]  # sync: 0
-        self.trainer_steps.update((p.trainer, p.trainer_step + 1) for p in taken)  # saved by after_update
-        self.version, self.loss = step, loss
-        dt = time.monotonic() - self.version_started
-        self.step_times.append(dt)
-        self.reply = self.snapshot()
-        pushed_bytes = sum(g.numel() * g.element_size() for p in taken for g in p.grads)
-        pulled_bytes = len(taken) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
-        self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(taken),
-                          state_bytes(self.model, self.optimizer), updates_per_s=1 / dt,
-                          bytes_moved=pushed_bytes + pulled_bytes, trainers=len({p.trainer for p in taken}),
-                          applied=[(p.trainer, p.trainer_step, p.version) for p in taken])
-        self.after_update(step)  # before any trainer sees the new version
-        answer(taken + self.pushed, self.reply)  # async: also the pushes that arrived while this one was due
-        self.version_started = self.waiting_since = time.monotonic()
-
-    def wait_until_done(self):
-        """Main thread: run every update, and return after the last. An update runs once every live
-        trainer has pushed. A trainer whose gradient is still missing --straggler-timeout seconds after
-        the first one arrived is dropped, and the update goes ahead without it. The clock starts at the
-        first gradient, not at the version's start, so that a slow start (import, first step) is never
-        taken for a lost trainer; no gradient at all for --timeout-s is an error. async: an update runs
-        once enough fresh gradients wait; as it waits for no trainer in particular, it drops none."""
-        with self.lock:
-            while self.version < self.cfg.steps:
-                if self.cfg.mode == "async":
-                    self.drop_stale()
-                if self.update_due():
-                    self.update()
-                    continue
-                stragglers = self.cfg.mode == "sync" and self.pushed  # some pushed: the others are late
-                limit = self.cfg.straggler_timeout if stragglers else self.cfg.timeout_s
-                waited = time.monotonic() - self.waiting_since
-                if waited < limit:
-                    self.changed.wait(limit - waited)
-                    continue
-                if not stragglers:
-                    raise RuntimeError(f"no update after step {self.version} in {waited:.0f} s "
-                                       f"({len(self.pushed)} gradients pushed)")
-                for t in sorted(self.live - {p.trainer for p in self.pushed}):
-                    self.live.remove(t)
-                    self.lost[t] = self.version
-                    self.monitor.event("trainer_lost", step=self.version, trainer=t, waited_s=waited)
-                    print(f"trainer {t} lost: no gradient for step {self.version} after {waited:.1f} s; "
-                          f"continuing with {len(self.live)} trainers", flush=True)
-
-    def wait_for_leaves(self):
-        """After the last update: wait until every live trainer has said it has the last weights, at
-        most --straggler-timeout seconds. Returns the trainers not heard from (frozen or dead since)."""
-        deadline = time.monotonic() + self.cfg.straggler_timeout
-        with self.lock:
-            while not self.live <= self.left and time.monotonic() < deadline:
-                self.changed.wait(deadline - time.monotonic())
-            return sorted(self.live - self.left)
-
-    def skipped_rows(self):
-        """Per lost trainer: the rows [start, end) of every global batch that it owned and no one trained
-        on, from `from_step` (the first update without it) to the end."""
-        n = self.rows_per_trainer
-        return [{"trainer": t, "rows": [(t - 1) * n, t * n], "from_step": step + 1}
-                for t, step in sorted(self.lost.items())]
-
-
-def answer(pushes, reply):
-    """Complete the futures of `pushes` not answered yet (async answers most pushes at once)."""
-    for p in pushes:
-        if not p.reply.done():
-            p.reply.set_result(reply)
-
-
 def state_digest(model, optimizer):
     """A digest of the weights and the optimizer state: a resume must load exactly what the save wrote."""
     optim = {f"optimizer.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
     return param_digest({**model.state_dict(), **optim})
-
-
-SERVER = None  # the ParameterServer, on rank 0
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -375,7 +150,7 @@ def call_server(function, *args, timeout_s):
     stops the group, the hung server with it, and restarts it."""
     t0 = time.monotonic()
     try:
-        answer = rpc.rpc_async("server", function, args=args).wait()
+        answer = torch_rpc.rpc_async("server", function, args=args).wait()
     except RuntimeError:
         if time.monotonic() - t0 >= timeout_s:
             raise
@@ -389,13 +164,12 @@ def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
     # restart); RPC is the only communication.
-    global SERVER
     refuse_unsafe_restarts()  # what setup() does in the other scripts
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")  # torch's own init_rpc
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, int(os.environ["LOCAL_RANK"]),
                                                                 int(os.environ["LOCAL_WORLD_SIZE"]))
-    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
+    options = torch_rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
     run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # The server holds the run folder's lock until it exits: a second job on the same folder would
@@ -450,11 +224,13 @@ def main(cfg):
         else:
             seed_rng(cfg.seed, rank)
             print0("no checkpoint, starting fresh")
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
+                      world_size=world)
 
         # --------------------------------------------------------------------- checkpoint (server)
         def after_update(step):
-            """Under the server's lock, between the optimizer step and the replies: no update is half-done."""
+            """Under the server's lock (`server` is built below), between the optimizer step and the replies:
+            no update is half-done."""
             if cfg.crash_at_step == step and crash_rank == 0 and first_attempt():
                 crash(f"server after step {step}")
             if step % cfg.save_every and step != cfg.steps:
@@ -468,7 +244,7 @@ def main(cfg):
                 nbytes = atomic_save({
                     "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                    "lost": SERVER.lost, "trainer_steps": SERVER.trainer_steps, "digest": digest,
+                    "lost": server.lost, "trainer_steps": server.trainer_steps, "digest": digest,
                 }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
             except OSError as e:  # a full disk: the previous checkpoints stay as they are
                 fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
@@ -479,37 +255,38 @@ def main(cfg):
             print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
         # --------------------------------------------------------------------- serve
-        SERVER = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update, trainer_steps)
-        rpc.init_rpc("server", rank=rank, world_size=world, rpc_backend_options=options)
+        server = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update, trainer_steps)
+        set_server(server)  # the object the trainers' RPCs reach: set before init_rpc lets any arrive
+        torch_rpc.init_rpc("server", rank=rank, world_size=world, rpc_backend_options=options)
         try:
-            SERVER.wait_until_done()
+            server.wait_until_done()
         except BaseException:
-            rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
+            torch_rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
             raise
-        step_times = SERVER.step_times
+        step_times = server.step_times
         summary = {
-            "strategy": "rpc", "world_size": world, "steps": SERVER.version, "final_loss": SERVER.loss,
+            "strategy": "rpc", "world_size": world, "steps": server.version, "final_loss": server.loss,
             "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed_from,
             "restarts": restarts(), "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
             "median_step_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-            "trainers_lost": len(SERVER.lost), "lost_trainers": sorted(SERVER.lost),
-            "skipped_rows": SERVER.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
-            "stale_dropped": SERVER.stale_dropped,  # in this attempt, as the mean staleness of what it applied
-            "mean_staleness": statistics.mean(SERVER.staleness) if SERVER.staleness else None,
+            "trainers_lost": len(server.lost), "lost_trainers": sorted(server.lost),
+            "skipped_rows": server.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
+            "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
+            "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
         }
         atomic_write_json(summary, run_dir / "summary.json")
-        print0(f"done: step {SERVER.version}, final loss {summary['final_loss']}, "
+        print0(f"done: step {server.version}, final loss {summary['final_loss']}, "
                f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
         # Stay up until every live trainer has the last weights (a local shutdown could cut a reply
         # short), but never for a trainer that froze or died since.
-        silent = SERVER.wait_for_leaves()
+        silent = server.wait_for_leaves()
         if silent:
             print(f"trainers {silent} did not confirm the last step within {cfg.straggler_timeout} s: "
                   "not waiting for them", flush=True)
     else:
         # --------------------------------------------------------------------- train (trainers)
-        rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+        torch_rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
         monitor.event("start", launched_at=LAUNCHED_AT, restarts=restarts(), world_size=world)
         reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
         trainer_step = reply.trainer_step  # this trainer's steps so far, as the server's checkpoint counts them
@@ -553,12 +330,12 @@ def main(cfg):
             call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
 
     # ------------------------------------------------------------------------- teardown
-    # Each process shuts down its own agent. A graceful rpc.shutdown() is a barrier over every
+    # Each process shuts down its own agent. A graceful torch_rpc.shutdown() is a barrier over every
     # process with no timeout, so a trainer that froze or died would hold the job for ever; instead
     # the trainers stop once they have the last weights (or are dropped), and the server once they
     # said so (above). No process has an RPC of its own in flight by then.
     t0 = time.perf_counter()
-    rpc.shutdown(graceful=False)
+    torch_rpc.shutdown(graceful=False)
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
     monitor.close()
 

@@ -1,6 +1,6 @@
-"""rpc/ps.py: the parameter server resumes bit-exactly after crashes, drops a lost trainer without
-stalling, ends without waiting for a trainer that froze, and updates under its lock whatever order
-the gradients arrive in."""
+"""rpc/ps.py and rpc/server.py: the parameter server resumes bit-exactly after crashes, drops a lost
+trainer without stalling, ends without waiting for a trainer that froze, and updates under its lock
+whatever order the gradients arrive in."""
 import json
 import os
 import signal
@@ -16,7 +16,9 @@ from common.chaos import final_history
 from common.checkpoint import param_digest
 from common.config import load_script, parse_config
 from common.model import Transformer, model_config
+from common.monitor import Monitor
 from conftest import REPO, SMALL, metrics, summary, torchrun
+from rpc.server import ParameterServer, lr_at
 
 ps = load_script(REPO / "rpc" / "ps.py")
 
@@ -155,12 +157,12 @@ def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monke
     assert err.count("\n") == 1 and message in err, err
 
 
-# ----------------------------------------------------------------------------- the server object, no RPC
+# ----------------------------------------------------------------------------- rpc/server.py, no RPC
 def make_server(tmp_path, cfg, trainers, after_update=lambda step: None):
     model = Transformer(model_config(cfg), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    monitor = ps.Monitor(tmp_path, 0, torch.device("cpu"), log_every=1000)
-    return ps.ParameterServer(model, optimizer, cfg, monitor, trainers, 0, {}, after_update)
+    monitor = Monitor(tmp_path, 0, torch.device("cpu"), log_every=1000)
+    return ParameterServer(model, optimizer, cfg, monitor, trainers, 0, {}, after_update)
 
 
 def serial_reference(cfg, grads_per_step):
@@ -176,7 +178,7 @@ def serial_reference(cfg, grads_per_step):
             p.grad = total / len(by_trainer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = ps.lr_at(cfg, step)
+            group["lr"] = lr_at(cfg, step)
         optimizer.step()
         digests.append(param_digest(model.state_dict()))
     return digests

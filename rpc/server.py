@@ -1,0 +1,254 @@
+"""The parameter server of rpc/ps.py: the model, the optimizer, the version (completed updates) and the
+trainers, behind one lock. The script builds one ParameterServer on rank 0, hands it to set_server()
+and runs wait_until_done() on its main thread; the trainers call the three *_remote functions by RPC.
+Only those know of RPC: tests/test_rpc.py drives the object itself, pushing from plain threads.
+
+sync (the default): an update waits for one gradient from every live trainer, all computed on the
+current version, and averages them in trainer order, so arrival order cannot change the result. A
+trainer still missing --straggler-timeout seconds after the first gradient arrived is dropped.
+
+async: a push is queued with the version it was computed on and answered at once with the
+newest weights, so no trainer waits for another. An update averages the first --updates-per-step
+queued gradients, from any trainers, in arrival order; the push that completes them (or arrives
+while they are complete) is answered by that update. A gradient computed more than --max-staleness
+updates before the one that would apply it is dropped, and counted. It drops no trainer.
+"""
+import math
+import threading
+import time
+from typing import NamedTuple, Optional
+
+import torch
+from torch.distributed.rpc.functions import async_execution
+
+from common.config import fail
+from common.monitor import state_bytes
+
+SERVER = None  # the ParameterServer that the trainers' RPCs reach, in the server process: see set_server
+
+
+def set_server(server):
+    """Make `server` the one that ParameterServer.pull_remote, push_remote and leave_remote reach. RPC sends
+    a function by module and name, so each finds SERVER here, in rpc.server, and not in the script."""
+    global SERVER
+    SERVER = server
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- the server's state
+class Pushed(NamedTuple):
+    """A gradient waiting for an update, and where its answer goes."""
+    trainer: int
+    trainer_step: int  # which step of the trainer's own (sync: the server's step)
+    version: int  # the server step it was computed on
+    grads: list
+    loss: float
+    reply: torch.futures.Future
+
+
+class Reply(NamedTuple):
+    """What a trainer gets back from a pull or a push: the weights after `step` updates, or why it stops."""
+    step: int
+    weights: Optional[dict]
+    stop: Optional[str] = None  # set: the trainer stops (it was dropped, the server stopped, or is gone)
+    trainer_step: int = 0  # a pull's: the trainer's steps the server has taken (async: where the trainer goes on)
+
+
+class ParameterServer:
+    """The model, the optimizer, the version (completed updates) and the trainers, behind one lock.
+
+    push() runs on RPC threads and only records a gradient (async: and answers it with the newest
+    weights, unless it completes an update). The main thread, in wait_until_done(), runs every update
+    whole under the lock: gradients in, optimizer step, checkpoint, replies out. So no push sees half
+    an update, and a failure in one (a diverged loss, a failed save, an injected crash) ends the
+    process from its main thread."""
+
+    def __init__(self, model, optimizer, cfg, monitor, trainers, version, lost, after_update, trainer_steps=None):
+        self.model, self.optimizer, self.cfg, self.monitor = model, optimizer, cfg, monitor
+        self.rows_per_trainer = cfg.batch_size // trainers
+        self.tokens_per_trainer = self.rows_per_trainer * cfg.seq_len
+        self.lost = dict(lost)  # trainer rank -> the step it was dropped at; it stays dropped for the job
+        self.live = set(range(1, trainers + 1)) - self.lost.keys()  # the trainers an update waits for
+        self.version = version
+        self.after_update = after_update  # after_update(step): fault injection and checkpoint, under the lock
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # wakes the main thread
+        self.pushed = []  # gradients not applied yet: sync, this version's; async, in arrival order
+        self.updates_per_step = cfg.updates_per_step or len(self.live)  # async: gradients an update averages
+        self.trainer_steps = dict(trainer_steps or {})  # trainer rank -> its steps applied or dropped
+        self.staleness, self.stale_dropped = [], 0  # of each gradient applied; how many were dropped
+        self.left = set()  # trainers that have the last update's weights and said so
+        self.version_started = self.waiting_since = time.monotonic()
+        self.step_times, self.loss = [], None
+        self.reply = self.snapshot()
+
+    def snapshot(self):
+        """A copy of the weights, so no reply in flight can see a later update's weights."""
+        return Reply(self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
+
+    def pull(self, trainer):
+        with self.lock:
+            if trainer not in self.live:
+                return Reply(self.version, None, "dropped by the server")
+            return self.reply._replace(trainer_step=self.trainer_steps.get(trainer, 0))
+
+    def push(self, trainer, version, grads, loss, trainer_step=None):
+        """A future of the Reply to this push of a gradient computed on `version` at the trainer's own
+        `trainer_step` (None: the version, as in sync), completed by the next update (or at once if the
+        trainer was dropped). async: at once with the newest weights, unless an update is due."""
+        future = torch.futures.Future()
+        with self.lock:
+            if trainer not in self.live:
+                future.set_result(Reply(self.version, None, "dropped by the server"))
+            elif self.cfg.mode == "sync" and version != self.version:
+                future.set_exception(ValueError(f"trainer {trainer} pushed for step {version}, "
+                                                f"the server is at step {self.version}"))
+            else:
+                if not self.pushed:  # the first gradient waiting: the straggler clock starts
+                    self.waiting_since = time.monotonic()
+                own_step = version if trainer_step is None else trainer_step
+                self.pushed.append(Pushed(trainer, own_step, version, grads, loss, future))
+                if self.cfg.mode == "async" and not self.update_due():
+                    future.set_result(self.reply)
+                self.changed.notify_all()
+        return future
+
+    def leave(self, trainer):
+        """A trainer has the last update's weights: the server need not stay up for it."""
+        with self.lock:
+            self.left.add(trainer)
+            self.changed.notify_all()
+
+    @staticmethod
+    def pull_remote(trainer):
+        return SERVER.pull(trainer)
+
+    @staticmethod
+    @async_execution  # the RPC thread returns at once; the reply is sent when the future completes
+    def push_remote(trainer, version, grads, loss, trainer_step):
+        return SERVER.push(trainer, version, grads, loss, trainer_step)
+
+    @staticmethod
+    def leave_remote(trainer):
+        SERVER.leave(trainer)
+
+    def update_due(self):
+        """sync: every live trainer has pushed. async: --updates-per-step fresh enough gradients wait."""
+        if self.version >= self.cfg.steps or not self.pushed:
+            return False
+        if self.cfg.mode == "sync":
+            return self.live <= {p.trainer for p in self.pushed}
+        fresh = sum(self.version - p.version <= self.cfg.max_staleness for p in self.pushed)
+        return fresh >= self.updates_per_step
+
+    def drop_stale(self):
+        """async: the gradients now more than --max-staleness updates old are counted, never applied."""
+        fresh = []
+        for p in self.pushed:
+            if self.version - p.version <= self.cfg.max_staleness:
+                fresh.append(p)
+                continue
+            self.trainer_steps[p.trainer] = p.trainer_step + 1
+            self.stale_dropped += 1
+            self.monitor.event("stale_dropped", step=self.version, trainer=p.trainer, trainer_step=p.trainer_step,
+                               version=p.version)
+            answer([p], self.reply)
+        self.pushed = fresh
+
+    def update(self):
+        """Average the gradients of an update, step, save, answer. Main thread, under the lock. sync: every
+        live trainer's, in trainer order (so arrival order cannot change the result); async: the first
+        --updates-per-step queued, in arrival order."""
+        if self.cfg.mode == "sync":
+            taken, self.pushed = sorted(self.pushed, key=lambda p: p.trainer), []
+        else:
+            taken, self.pushed = self.pushed[:self.updates_per_step], self.pushed[self.updates_per_step:]
+        step = self.version + 1
+        loss = sum(p.loss for p in taken) / len(taken)
+        if not math.isfinite(loss):  # diverged: stop before the weights change and anything is saved
+            answer(taken + self.pushed, Reply(self.version, None, f"the server stopped: loss {loss}"))
+            fail(f"loss is {loss} at step {step}: stopping without saving, the checkpoints of earlier steps are kept",
+                 code=3)
+        for i, param in enumerate(self.model.parameters()):
+            param.grad = sum(p.grads[i] for p in taken) / len(taken)
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        lr = lr_at(self.cfg, self.version)  # a function of the step: a resume, even with a new --lr, needs no schedule
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.staleness += [self.version - p.version for p in taken]  # sync: 0
+        self.trainer_steps.update((p.trainer, p.trainer_step + 1) for p in taken)  # saved by after_update
+        self.version, self.loss = step, loss
+        dt = time.monotonic() - self.version_started
+        self.step_times.append(dt)
+        self.reply = self.snapshot()
+        pushed_bytes = sum(g.numel() * g.element_size() for p in taken for g in p.grads)
+        pulled_bytes = len(taken) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
+        self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(taken),
+                          state_bytes(self.model, self.optimizer), updates_per_s=1 / dt,
+                          bytes_moved=pushed_bytes + pulled_bytes, trainers=len({p.trainer for p in taken}),
+                          applied=[(p.trainer, p.trainer_step, p.version) for p in taken])
+        self.after_update(step)  # before any trainer sees the new version
+        answer(taken + self.pushed, self.reply)  # async: also the pushes that arrived while this one was due
+        self.version_started = self.waiting_since = time.monotonic()
+
+    def wait_until_done(self):
+        """Main thread: run every update, and return after the last. An update runs once every live
+        trainer has pushed. A trainer whose gradient is still missing --straggler-timeout seconds after
+        the first one arrived is dropped, and the update goes ahead without it. The clock starts at the
+        first gradient, not at the version's start, so that a slow start (import, first step) is never
+        taken for a lost trainer; no gradient at all for --timeout-s is an error. async: an update runs
+        once enough fresh gradients wait; as it waits for no trainer in particular, it drops none."""
+        with self.lock:
+            while self.version < self.cfg.steps:
+                if self.cfg.mode == "async":
+                    self.drop_stale()
+                if self.update_due():
+                    self.update()
+                    continue
+                stragglers = self.cfg.mode == "sync" and self.pushed  # some pushed: the others are late
+                limit = self.cfg.straggler_timeout if stragglers else self.cfg.timeout_s
+                waited = time.monotonic() - self.waiting_since
+                if waited < limit:
+                    self.changed.wait(limit - waited)
+                    continue
+                if not stragglers:
+                    raise RuntimeError(f"no update after step {self.version} in {waited:.0f} s "
+                                       f"({len(self.pushed)} gradients pushed)")
+                for t in sorted(self.live - {p.trainer for p in self.pushed}):
+                    self.live.remove(t)
+                    self.lost[t] = self.version
+                    self.monitor.event("trainer_lost", step=self.version, trainer=t, waited_s=waited)
+                    print(f"trainer {t} lost: no gradient for step {self.version} after {waited:.1f} s; "
+                          f"continuing with {len(self.live)} trainers", flush=True)
+
+    def wait_for_leaves(self):
+        """After the last update: wait until every live trainer has said it has the last weights, at
+        most --straggler-timeout seconds. Returns the trainers not heard from (frozen or dead since)."""
+        deadline = time.monotonic() + self.cfg.straggler_timeout
+        with self.lock:
+            while not self.live <= self.left and time.monotonic() < deadline:
+                self.changed.wait(deadline - time.monotonic())
+            return sorted(self.live - self.left)
+
+    def skipped_rows(self):
+        """Per lost trainer: the rows [start, end) of every global batch that it owned and no one trained
+        on, from `from_step` (the first update without it) to the end."""
+        n = self.rows_per_trainer
+        return [{"trainer": t, "rows": [(t - 1) * n, t * n], "from_step": step + 1}
+                for t, step in sorted(self.lost.items())]
+
+
+def answer(pushes, reply):
+    """Complete the futures of `pushes` not answered yet (async answers most pushes at once)."""
+    for p in pushes:
+        if not p.reply.done():
+            p.reply.set_result(reply)
