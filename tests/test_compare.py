@@ -1,9 +1,11 @@
-"""The comparison runner end to end: `bash run.sh compare 4 --quick`, then the targets read from its JSON."""
+"""The comparison runner end to end (`bash run.sh compare 4 --quick`, then the targets read from its JSON), and tests/save_bench.py."""
 import json
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_sh
+from conftest import REPO, run_sh
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,29 @@ def test_plot_draws_loss_memory_and_saves_from_the_runs(results):
         pixels = matplotlib.image.imread(results["figures"] / name)  # fails unless a whole PNG
         colours = {tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}
         assert pixels.shape[0] > 200 and len(colours) > 20, (name, pixels.shape, len(colours))  # lines, not blank
+
+
+def test_save_bench_times_each_scripts_write_against_the_disk(tmp_path):
+    # tests/save_bench.py (the GPU check runs it at 1b): every write of the tiny state lands, is timed,
+    # and is removed; the async row says how long the call blocked, which cannot exceed its whole write.
+    bench, out = tmp_path / "bench", tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "save_bench.py"), "--model", "tiny", "--repeats", "1",
+                           "--threads", "1,2", "--dir", str(bench), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["write"] for r in result["rows"]] == [
+        "disk (64 MiB blocks, fsync)", "disk, 2 files in parallel", "torch.save (ddp/train.py)",
+        "dcp, 1 threads (fsdp/train.py)", "dcp, 2 threads (fsdp/train.py)",
+        "dcp async, 2 threads (fsdp/train.py --async-save)"]
+    assert result["bytes"] > 0 and all(r["s"] > 0 and r["gb_per_s"] > 0 for r in result["rows"])
+    async_ = result["rows"][-1]
+    assert 0 < async_["blocked_s"] <= async_["staged_s"] <= async_["s"]
+    assert not bench.exists()
+
+
+def test_save_bench_bad_input_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "save_bench.py"), "--threads", "8,x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--threads 8,x: positive integers, comma-separated" in proc.stderr
