@@ -8,13 +8,13 @@ from conftest import run_sh
 # Every kind on the smallest job it allows (--ranks 1; sigstop takes 2, as only a peer notices a hang;
 # it freezes an FSDP rank with an async save on, whose save group has a timeout of its own too).
 # sigstop comes first: it mostly waits (its peer's timeout, then torchrun's 30 s before its SIGKILL)
-# while the other slot of --jobs 2 runs the rest. node-lost and preempt have tests of their own in the
-# suite (test_scaleout.py, test_ddp.py), so the soak leaves them to `bash run.sh chaos`. A save killed
-# before its commit: synchronous on DDP, async on FSDP (test_ddp.py kills DDP's async write).
-OWN_TESTS = {"node-lost", "preempt"}
-PLAN = ["sigstop:fsdp-async", "sigkill:ddp", "sigterm:fsdp-async", "crash-at-step:ddp", "crash-in-save:fsdp-async",
-        "crash-in-save:ddp", "two-faults:ddp", "damage-newest:ddp", "transient-read:fsdp-async",
-        "async-in-flight:fsdp-async"]
+# while the other slot of --jobs 2 runs the rest. node-lost, preempt and crash-at-step have tests of
+# their own in the suite (test_scaleout.py; test_ddp.py's SIGTERM and docstring-launch tests), so the
+# soak leaves them to `bash run.sh chaos`. A save killed before its commit: here synchronous on DDP;
+# test_ddp.py and test_fsdp.py kill their async saves.
+OWN_TESTS = {"node-lost", "preempt", "crash-at-step"}
+PLAN = ["sigstop:fsdp-async", "sigkill:ddp", "sigterm:fsdp-async", "crash-in-save:ddp", "two-faults:ddp",
+        "damage-newest:ddp", "transient-read:fsdp-async", "async-in-flight:fsdp-async"]
 
 
 def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_path):
@@ -31,7 +31,7 @@ def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_pat
     assert all(t["in_flight"] for t in trials if t["kind"] == "async-in-flight")
     # Recovery time in its phases, wherever a fault was followed by a restart or a relaunch.
     timed = [t for t in trials if t["expected_restarts"]]
-    assert len(timed) == 8
+    assert len(timed) == 6
     for t in timed:
         assert t["recovery_s"] > t["detect_s"] > 0 and t["restart_s"] > 0 and t["vs_cold_start"] > 0, t
 
