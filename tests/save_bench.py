@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` and `fsdp` from anywhere
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tabulate import tabulate
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -118,13 +119,14 @@ def main(cfg):
                 lambda f, n=n: dcp.save(state, storage_writer=Writer(f, train, rng_state(), None, n)))
 
         cuda = device.type == "cuda"
+        save_group = dist.new_group(backend="gloo")  # as fsdp/train.py: an async save needs a CPU backend
         async_times = []
 
         def async_write(f):
             stager = DefaultStager(staging_options(cuda))
             t0 = time.perf_counter()
-            writer = Writer(f, train, rng_state(), None, max(threads))
-            response = dcp.async_save(state, storage_writer=writer, async_stager=stager)
+            writer = Writer(f, train, rng_state(), save_group, max(threads))
+            response = dcp.async_save(state, storage_writer=writer, process_group=save_group, async_stager=stager)
             blocked = time.perf_counter() - t0
             response.staging_completion.result()
             staged = time.perf_counter() - t0
