@@ -89,6 +89,8 @@ class Save:
     path: Path
     t0: float
     blocking_s: float = 0.0
+    staging_wait_s: float = 0.0  # of blocking_s: the wait for the copy before the next optimizer step
+    commit_wait_s: float = 0.0  # of blocking_s: the wait for the commit before the next save
     staged_at: Optional[float] = None
     done_at: Optional[float] = None
     staging: Optional[Future] = None
@@ -98,14 +100,23 @@ class Save:
     def wait_staged(self):
         """Before an optimizer step, which must not change weights this save is still copying."""
         if self.staging:
-            self.blocking_s += wait(self.staging, self.step)
+            self.staging_wait_s = wait(self.staging, self.step)
+            self.blocking_s += self.staging_wait_s
             self.staging = None
 
-    def wait_committed(self, in_loop):
-        """Until every rank's shards and the commit are on disk; in the loop, the wait blocks training."""
+    def wait_committed(self, in_loop, shared_stager):
+        """Until every rank's shards and the commit are on disk; in the loop, the wait blocks training.
+        Then a stager of the save's own (not `shared_stager`) is closed and dropped: the callbacks on the
+        futures hold this record, so a stager it kept would keep its staged copy until a garbage
+        collection, pinned on CUDA."""
         if self.future is not None:
             waited = wait(self.future, self.step)
-            self.blocking_s += waited if in_loop else 0.0
+            if in_loop:
+                self.commit_wait_s = waited
+                self.blocking_s += waited
+        if self.stager is not None and self.stager is not shared_stager:
+            self.stager.close()
+        self.stager = None
 
     def staging_s(self):
         """Seconds from the call to the end of the copy (async saves only)."""

@@ -321,9 +321,7 @@ def main(cfg):
         def finish_save(record, in_loop=True):
             """Wait for a save to commit (in the loop, the wait blocks training), then make it durable,
             prune and report it."""
-            record.wait_committed(in_loop)
-            if record.stager not in (None, stager):  # a stager of its own: its buffers are no longer needed
-                record.stager.close()
+            record.wait_committed(in_loop, stager)
             nbytes = 0
             if rank == 0:  # the commit reaches the disk before older checkpoints are deleted
                 fsync_dir(record.path)
@@ -333,7 +331,7 @@ def main(cfg):
             total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
             staging_s = record.staging_s()
             monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=staging_s, total_s=total_s,
-                          bytes=nbytes)
+                          bytes=nbytes, staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)
             print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
                    + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
                    + f" total {total_s * 1000:.0f} ms)")
