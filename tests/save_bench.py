@@ -97,6 +97,7 @@ def main(cfg):
         for p in model.parameters():  # one step creates AdamW's moments: the state a checkpoint holds
             p.grad = torch.zeros_like(p)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # a checkpoint holds no gradients
         if device.type == "cuda":  # the async save's copies do not wait for the default stream
             torch.cuda.synchronize()
         nbytes = state_bytes(model, optimizer)
