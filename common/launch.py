@@ -115,3 +115,12 @@ def kill_node(agent):
             pass
     agent.wait()
     return found
+
+
+if __name__ == "__main__":
+    # python -m common.launch SCRIPT NPROC RUN_DIR [flags]: one job under torchrun as the tests launch it
+    # (MAX_RESTARTS, default 3), without run.sh's package check and preflight, which each import torch:
+    # tests/gpu_check.sh launches eleven jobs in a few minutes.
+    script, nproc, run_dir, *flags = sys.argv[1:]
+    cmd, env = torchrun(script, int(nproc), run_dir, flags, max_restarts=int(os.environ.get("MAX_RESTARTS", "3")))
+    os.execvpe(cmd[0], cmd, env)

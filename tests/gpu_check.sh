@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check (opt-in, one GPU; about 7 to 8 minutes on an H200 by our estimate: it has not run on this
-# version): issue 11's measurements, then the CUDA + NCCL + bf16 crash-resume of both scripts.
+# The GPU check (opt-in, one GPU; 7 to 8 minutes on an H200 by an estimate from earlier runs' parts: this
+# version has not run there): issue 11's measurements, then the CUDA + NCCL + bf16 crash-resume of both
+# scripts. The sections run in this order, most wanted first, so that a run cut short loses the last.
 #   1. fsdp on the largest preset, --compile and --async-save: MFU, the loop's blocked time per async save,
 #      and the step time while a save is being written against the other steps (from its metrics);
-#   2. tests/save_bench.py on that preset: a raw fsync'd write of the model state's bytes, the scripts'
-#      synchronous saves (torch.save; DCP at 1 and 8 writer threads) and the async save, against it;
+#   2. tests/save_bench.py on that preset: a raw fsync'd write of the model state's bytes (one stream, 8
+#      streams), against the scripts' synchronous saves (torch.save; DCP at 8 threads) and the async save;
 #   3. crash-resume on the GPU, each against a run never crashed (digests must match): fsdp killed in its
 #      async save's upload, fsdp --compile killed while staging, ddp killed in its async write;
 #   4. ddp on the largest preset with --async-save, for the README's DDP column.
+# Each job is launched as the tests launch it (python3 -m common.launch), with a timeout.
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
 # OUT (default /tmp/devout) receives the log, both summary.json files and save_bench.json. Exit 1 if any
@@ -16,9 +18,9 @@
 # enforced: they are performance figures of one machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 MAX_RESTARTS=${MAX_RESTARTS:-3}
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/devout}; mkdir -p "$OUT"
-BIG=${BIG:-1b}; BATCH=${BATCH:-8}; STEPS=${STEPS:-100}; SMALL=${SMALL:-small}
+BIG=${BIG:-1b}; BATCH=${BATCH:-8}; STEPS=${STEPS:-160}; SMALL=${SMALL:-small}
 R=/tmp/devruns; rm -rf $R; mkdir -p $R
 exec > >(tee "$OUT/log") 2>&1
 log() { echo "=== $* (t=${SECONDS}s)"; }
@@ -47,13 +49,22 @@ if torch.cuda.is_available():
     print(f"bf16 matmul 8192^3: {2 * 8192**3 / dt / 1e12:.0f} TFLOP/s")
 PY
 
-# One big run: $STEPS steps, a save every $STEPS/2 (the steps between saves should outlast a save's write,
-# about 17 s for 1b on the H200 measured before; else the next save waits for it), the last at the end.
+# launch SECONDS MAX_RESTARTS SCRIPT RUN_DIR FLAGS...: one process under torchrun, as the tests launch it
+# (common/launch.py), killed after SECONDS; run.sh's package check and preflight would import torch twice
+# more per launch. Its output goes to RUN_DIR.log.
+launch() {
+  local seconds=$1 restarts=$2 script=$3 dir=$4; shift 4
+  MAX_RESTARTS=$restarts timeout "$seconds" python3 -m common.launch "$script" 1 "$dir" "$@" > "$dir.log" 2>&1
+}
+
+# One big run: $STEPS steps, a save every $STEPS/2, the last at the end. The steps between saves should
+# outlast a save's staging and write (1b on the H200 before: 5.8 s and about 17 s; on torch 2.11 each
+# save pins its buffers afresh), else the next save waits for the last: the save event's commit_wait_s.
 big() {  # big NAME SCRIPT FLAGS...: one run on the largest preset, its figures copied to $OUT
-  local name=$1 s=$2; shift 2
+  local name=$1 script=$2; shift 2
   log "$name on $BIG"
-  MAX_RESTARTS=0 timeout 300 bash run.sh $s 1 --preset $BIG --batch-size $BATCH --steps $STEPS \
-    --save-every $((STEPS / 2)) --log-every 10 --lr 3e-4 --run-dir $R/$name "$@" > $R/$name.log 2>&1
+  launch 300 0 $script $R/$name --preset $BIG --batch-size $BATCH --log-every 10 \
+    --lr 3e-4 "$@"
   verify $R/$name $? 0
   grep -v Warning $R/$name.log | tail -8
   cp $R/$name/summary.json "$OUT/$name-$BIG-summary.json"
@@ -67,7 +78,9 @@ mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (no GPU peak known)"
 print(f"median step {s['median_step_s'] * 1000:.0f} ms, {s['tokens_per_s']:,.0f} tokens/s, MFU {mfu} "
       f"(target with --compile: 50%), peak memory {(s.get('cuda_peak_bytes') or s.get('rss_peak_bytes')) / 2**30:.1f} GiB")
 for e in saves:  # the last save's wait at the end is not counted: no step is left to stall
-    print(f"save step {e['step']}: loop blocked {e['blocking_s'] * 1000:.0f} ms (target 50 ms), staged "
+    waits = (f" (of which {e['staging_wait_s'] * 1000:.0f} ms for its copy, {e['commit_wait_s'] * 1000:.0f} ms for"
+             " the previous save's commit)" if "staging_wait_s" in e else "")
+    print(f"save step {e['step']}: loop blocked {e['blocking_s'] * 1000:.0f} ms{waits} (target 50 ms), staged "
           f"{(e.get('staging_s') or 0):.2f} s, committed {e['total_s']:.2f} s, {e['bytes'] / 1e9:.1f} GB")
 slow = step_slowdown_while_saving(steps)
 print(f"step time while a save is written / otherwise: {slow:.2f} (target 1.15)" if slow else
@@ -78,25 +91,25 @@ PY
 }
 
 # 1. FSDP on the largest preset, compiled, with async saves.
-big fsdp-big fsdp --compile --async-save
+big fsdp-big fsdp/train.py --compile --async-save --steps $STEPS --save-every $((STEPS / 2))
 
 # 2. The write speeds, on the same preset and disk.
 log "save_bench --model $BIG"
-timeout 300 python3 tests/save_bench.py --model $BIG --repeats 1 --threads 1,8 --dir $R/bench \
+timeout 240 python3 tests/save_bench.py --model $BIG --repeats 1 --threads 8 --dir $R/bench \
   --out "$OUT/save_bench.json" || failed+=("save_bench: exit $?")
 
 # 3. Bitwise resume on the GPU: each run killed inside an async save (rank 0, step 20) and restarted by
 # torchrun, against one never killed; the save of step 20 never commits, so each resumes from step 10.
 for name in fsdp fsdp-compiled ddp; do
-  s=${name%-compiled}
+  script=${name%-compiled}/train.py
   flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40 --async-save)
   fault=(--crash-in-save 20)
   [ $name = fsdp-compiled ] && flags+=(--compile) && fault=(--crash-in-staging 20)
   log "$name resume on $SMALL, ${fault[*]}"
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-ref > $R/$name-ref.log 2>&1
+  launch 150 0 $script $R/$name-ref "${flags[@]}"
   verify $R/$name-ref $? 0
   grep -E "^done|Error" $R/$name-ref.log | tail -2
-  bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-crash "${fault[@]}" > $R/$name-crash.log 2>&1
+  launch 150 1 $script $R/$name-crash "${flags[@]}" "${fault[@]}"
   verify $R/$name-crash $? 1
   grep -E "injected|resuming|^done|Error" $R/$name-crash.log | tail -4
   grep -q "resuming from step 10" $R/$name-crash.log || failed+=("$name: did not resume from step 10")
@@ -105,14 +118,14 @@ for name in fsdp fsdp-compiled ddp; do
   if ! grep -q "$(python3 -c "import json; print(json.load(open('$R/$name-ref/summary.json'))['param_digest'])")" $R/$name-crash/summary.json; then
     failed+=("$name: the resumed run's digest differs from the uninterrupted one")
     log "$name: a second uninterrupted run, to tell GPU nondeterminism from a resume bug"
-    bash run.sh $s 1 "${flags[@]}" --run-dir $R/$name-ref2 > $R/$name-ref2.log 2>&1
+    launch 150 0 $script $R/$name-ref2 "${flags[@]}"
     verify $R/$name-ref2 $? 0
     same ref ref2
   fi
 done
 
-# 4. DDP on the largest preset (its async save copies on the loop, into pinned memory).
-big ddp-big ddp --async-save
+# 4. DDP on the largest preset (its async save copies on the loop, into pinned memory): one save, at the end.
+big ddp-big ddp/train.py --async-save --steps 40 --save-every 40
 log end
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
