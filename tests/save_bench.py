@@ -112,6 +112,9 @@ def main(cfg):
             print(f"  {name}: {', '.join(f'{t:.2f} s' for t in times)}", flush=True)
 
         threads = [int(t) for t in cfg.threads.split(",")]
+        # The first big write of a process ran up to 5 times slower than the next on this project's shared
+        # disks (page cache reclaimed on the way?): one untimed write of up to 2 GB comes first.
+        timed(disk_write(min(nbytes, 2 << 30)), folder)
         row("disk (64 MiB blocks, fsync)", disk_write(nbytes))
         row(f"disk, {max(threads)} files in parallel", disk_write(nbytes, max(threads)))
         row("torch.save (ddp/train.py)", lambda f: atomic_save(state, f / "step.pt"))
