@@ -37,6 +37,13 @@ missing() {
   done
 }
 
+# share PYTHON VENV: VENV sees PYTHON's packages after its own: a .pth lists the site-packages folders on
+# PYTHON's path, those that its own .pth files add included.
+share() {
+  "$1" -c 'import sys; print(*(p for p in sys.path if p.endswith("-packages")), sep="\n")' \
+    > "$("$2/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/shared.pth"
+}
+
 # python_with PACKAGE...: sets PY to .venv's python or the current one ($PYTHON, else python3) when it has
 # them all. Otherwise .venv, made once with --system-site-packages so that it reuses what the current
 # python has (an installed torch above all), gets only the missing ones, in requirements.txt's versions.
@@ -47,32 +54,41 @@ python_with() {
   done
   if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv --system-site-packages .venv
-    # Made from a venv's python, .venv sees its base python's packages, not that venv's: a .pth adds them.
-    "${PYTHON:-python3}" -c 'import site, sys; sys.prefix != sys.base_prefix and print(*site.getsitepackages(), sep="\n")' \
-      > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/outer-venv.pth"
+    # Made from a venv's python, .venv sees its base python's packages, not that venv's.
+    share "${PYTHON:-python3}" .venv
   fi
   need=$(missing .venv/bin/python "$@" | paste -sd ' ')
   if [ -n "$need" ]; then
     echo "run.sh: installing $need from requirements.txt into .venv (once)" >&2
     mapfile -t reqs < <(for pkg in $need; do grep -iE "^$pkg([^a-z0-9_.-]|$)" requirements.txt; done)
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check "${reqs[@]}"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir "${reqs[@]}"
   fi
   PY=.venv/bin/python
 }
 
 # compat [PYTEST ARGS]: the FSDP + DCP + async-save tests (tests/test_fsdp.py, or PYTEST ARGS instead) on
-# another torch: TORCH_VERSION, else the oldest requirements.txt claims. It runs in a venv of its own,
-# made once per version (.venv-torch-VERSION; PyPI's build of torch for Linux x86_64 is a CUDA one:
-# about 5 GB installed).
+# another torch: TORCH_VERSION, else the oldest requirements.txt claims. It runs in .venv-torch-VERSION,
+# made once, which holds that torch alone (1.2 GB). The rest of requirements.txt it takes from the python
+# that `run.sh test` uses, through a .pth; so do the CUDA libraries that PyPI's Linux build of torch loads
+# when it is imported (2.7 GB; CUDA 13 from torch 2.11 to 2.14; never used on the CPU). A torch that does
+# not import that way gets its own (about 5 GB in all). pip keeps no cache: CI's disk is small.
 compat() {
   local version=${TORCH_VERSION:-$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)}
   [ -n "$version" ] || { echo "run.sh: no torch>=X.Y line in requirements.txt: set TORCH_VERSION" >&2; exit 2; }
-  local venv=.venv-torch-$version
+  [[ $version =~ ^[0-9]+(\.[0-9]+)*$ ]] || { echo "run.sh: TORCH_VERSION must be a version, got '$version'" >&2; exit 2; }
+  local venv=.venv-torch-$version pip
   if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, yaml, matplotlib" &>/dev/null; then
-    echo "run.sh: installing torch==$version and the rest of requirements.txt into $venv (once)" >&2
+    python_with "${TEST[@]}"
+    echo "run.sh: installing torch==$version into $venv (once), the rest shared with $PY" >&2
+    rm -rf "$venv"
     "${PYTHON:-python3}" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$version" \
-      -r <(grep -v '^torch' requirements.txt)
+    share "$PY" "$venv"
+    pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
+    "${pip[@]}" --no-deps "torch==$version"
+    if ! "$venv/bin/python" -c "${CHECK[torch]}" &>/dev/null; then
+      echo "run.sh: torch $version does not import with $PY's libraries: installing its own" >&2
+      "${pip[@]}" "torch==$version"
+    fi
   fi
   [ $# -gt 0 ] || set -- tests/test_fsdp.py  # FSDP2 end to end: DCP save, async save, resume, reshard
   echo "run.sh: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): pytest ${*@Q}" >&2
