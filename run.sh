@@ -103,8 +103,8 @@ case "$mode" in
   rpc) script=rpc/ps.py ;;
   test) python_with "${TEST[@]}"; exec "$PY" -m pytest tests "$@" ;;
   compat) compat "$@" ;;
-  compare) python_with "${TEST[@]}"; exec "$PY" -m common.compare "$@" ;;
-  chaos) python_with "${TEST[@]}"; exec "$PY" -m common.chaos "$@" ;;
+  compare) python_with "${TEST[@]}"; exec "$PY" -m harness.compare "$@" ;;
+  chaos) python_with "${TEST[@]}"; exec "$PY" -m harness.chaos "$@" ;;
   *) usage ;;
 esac
 
@@ -117,23 +117,6 @@ if ! [[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
   exit 2
 fi
 python_with "${TRAIN[@]}"
-
-# Check the flags once, here, before torchrun starts workers that would each fail and be retried;
-# an elastic job is checked at its largest world size (MAX nodes).
-"$PY" -m common.config "$script" $((nproc * ${nnodes#*:})) "$@"
-
-# torchrun shares its rendezvous store with the workers by default; after a restart the new
-# process group can then read the failed attempt's addresses and fail to connect or hang
-# (pytorch issues 135712, 167288). A store of the workers' own makes restarts reliable.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-node_rank=()
-[ -n "${NODE_RANK:-}" ] && node_rank=(--node-rank "$NODE_RANK")
-# An elastic job drops a lost node after 3 missed 1-s heartbeats and closes a round 5 s after it has
-# MIN nodes (c10d's defaults: 3 x 5 s and 30 s); see ELASTIC_RDZV_CONF in common/launch.py.
-rdzv_conf=()
-[[ $nnodes == *:* ]] && rdzv_conf=(--rdzv-conf "${RDZV_CONF:-keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5}")
-exec "$PY" -m torch.distributed.run \
-  --nnodes "$nnodes" "${node_rank[@]}" --nproc-per-node "$nproc" \
-  --max-restarts "${MAX_RESTARTS:-3}" \
-  --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:-localhost:0}" --rdzv-id "${RDZV_ID:-$mode}" \
-  "${rdzv_conf[@]}" "$script" "$@"
+# The flags checked once (for an elastic job at MAX nodes), then torchrun with the settings that make
+# its restarts reliable: both in harness/launch.py, which the tests and runners launch through too.
+exec "$PY" -m harness.launch --preflight "$script" "$nproc" "$@"

@@ -1,8 +1,8 @@
 """Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup,
-keep-last-K, moving unreadable checkpoints aside, the run-folder lock, the settings check on
-resume, RNG capture, and the parameter digest.
+keep-last-K, moving unreadable checkpoints aside, the run folder (its lock, and the check that it is
+writable), the settings check on resume, RNG capture, and the parameter digest.
 
-What a checkpoint contains, and how it is restored, stays in each script.
+What a checkpoint contains, its format version, and how it is restored stay in each script.
 
 Layout: <run-dir>/ckpt/step-NNNNNNNN.pt (one file, committed by its atomic rename) or
 <run-dir>/ckpt/step-NNNNNNNN/ (a DCP folder, committed once its `.metadata` exists, which DCP
@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +26,6 @@ import torch
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
-FORMAT = 2  # what a checkpoint holds; a script refuses a format it does not know
 
 
 def step_name(step, suffix=""):
@@ -157,26 +157,53 @@ def lock_run_dir(run_dir):
     return f
 
 
-def run_dir_holder(run_dir):
-    """None if no running job holds the run folder's lock, else who holds it (as it wrote in .lock)."""
+def run_dir_in_use(run_dir):
+    """Why a new job must not start in `run_dir` (a running job holds its lock), or None. Checked once,
+    before the workers start (harness/launch.py): a worker would see its own rank 0's lock."""
     if not (Path(run_dir) / ".lock").exists():
         return None
     lock = lock_run_dir(run_dir)
     if lock is not None:
         lock.close()
         return None
-    return (Path(run_dir) / ".lock").read_text().strip() or "another process"
+    holder = (Path(run_dir) / ".lock").read_text().strip() or "another process"
+    return (f"--run-dir {run_dir} is in use by another job ({holder} holds its .lock): "
+            "wait for it to end, or use another --run-dir")
 
 
-def resume_problem(saved, cfg, shape_fields, sample_fields, allow_changes=False):
-    """Check a checkpoint's saved record (its `format` and `config`) against this run's config.
+def writable(folder, create=True):
+    """None if files can be created in `folder` (made if missing and `create`), else why not."""
+    try:
+        if create:
+            os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def run_dir_problems(run_dir, export=""):
+    """['--run-dir: ... is not a writable folder (why)'] if the run folder, its ckpt/ or the folder of
+    the file --export names cannot take files, else []."""
+    for flag, folder, create in (("--run-dir", run_dir, True), ("--run-dir", os.path.join(run_dir, "ckpt"), True),
+                                 ("--export", os.path.dirname(os.path.abspath(export or ".")), False)):
+        why = writable(folder, create)
+        if why:
+            return [f"{flag}: {folder} is not a writable folder ({why})"]
+    return []
+
+
+def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):
+    """Check a checkpoint's saved record (its `format` and `config`) against this run's config and
+    the format `fmt` that this script writes and reads.
 
     Returns (problem, changes): `problem` is a one-line reason to refuse the resume, or None;
     `changes` lists the settings that differ ("lr 0.003 -> 0.01"). A change of `shape_fields` (the
     model's weights would not fit) is always refused; a change of `sample_fields` (which samples a
     step sees: seed, batch, data) unless `allow_changes`."""
-    if saved.get("format") != FORMAT:
-        return f"checkpoint format {saved.get('format')}, this script reads format {FORMAT}; use another --run-dir", []
+    if saved.get("format") != fmt:
+        return f"checkpoint format {saved.get('format')}, this script reads format {fmt}; use another --run-dir", []
     old, new = saved["config"], dataclasses.asdict(cfg)
     changed = [k for k in new if k != "run_dir" and k in old and old[k] != new[k]]
     changes = [f"{k} {old[k]} -> {new[k]}" for k in changed]
@@ -192,7 +219,7 @@ def resume_problem(saved, cfg, shape_fields, sample_fields, allow_changes=False)
     return None, changes
 
 
-def newest_resume_problem(ckpt_dir, cfg, read_saved, shape_fields, sample_fields):
+def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_fields):
     """The resume problem (see resume_problem) with the newest readable checkpoint, or None.
     `read_saved(path)` returns a checkpoint's saved record; unreadable ones are skipped (the resume
     falls back past them)."""
@@ -201,7 +228,7 @@ def newest_resume_problem(ckpt_dir, cfg, read_saved, shape_fields, sample_fields
             saved = read_saved(path)
         except Exception:
             continue
-        problem, _ = resume_problem(saved, cfg, shape_fields, sample_fields, cfg.allow_changes)
+        problem, _ = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)
         return problem and f"{path}: {problem}"
     return None
 

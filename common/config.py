@@ -1,25 +1,17 @@
-"""Config-to-CLI: one flat dataclass per script is the single source of flags, defaults and help.
+"""Config-to-CLI: one flat dataclass per script is the single source of flags, defaults and help,
+and the valid range of every flag.
 
-Each field's trailing `# comment` in the dataclass source is its help text, so the
-comment a reader sees next to a default is exactly what `--help` prints.
-
-Also a preflight, used by run.sh before torchrun starts any worker, so that a typo
-is reported once, in one line, instead of being retried --max-restarts times:
-
-    python -m common.config ddp/train.py 4 --steps 40 ...
+Each field's trailing `# comment` in the dataclass source is its help text, so the comment a reader
+sees next to a default is exactly what `--help` prints. A bad flag is one line and exit 2.
 """
 import argparse
 import dataclasses
-import importlib.util
 import inspect
 import math
 import os
 import re
 import sys
-import tempfile
 import typing
-
-from common.checkpoint import run_dir_holder
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,18 +83,6 @@ RANGES = {
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 
 
-def writable(folder, create=True):
-    """None if files can be created in `folder` (made if missing and `create`), else why not."""
-    try:
-        if create:
-            os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
-
-
 def range_problems(cfg, ranges):
     """'--flag must be > 0, got -1' for each field of `cfg` named in `ranges` whose value breaks its rule."""
     problems = []
@@ -113,7 +93,7 @@ def range_problems(cfg, ranges):
     return problems
 
 
-def common_problems(cfg, data_ranks):
+def flag_problems(cfg, data_ranks):
     """Problems with the flags every script shares; `data_ranks` is how many ranks split the batch."""
     problems = range_problems(cfg, RANGES)
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
@@ -129,26 +109,7 @@ def common_problems(cfg, data_ranks):
     elif cfg.data and os.path.getsize(cfg.data) < cfg.seq_len + 2:
         problems.append(f"--data {cfg.data} has {os.path.getsize(cfg.data)} bytes, fewer than one sequence "
                         f"(--seq-len {cfg.seq_len} + 2)")
-    peak = os.environ.get("PEAK_TFLOPS", "")
-    try:
-        if peak and not (math.isfinite(float(peak)) and float(peak) > 0):
-            raise ValueError
-    except ValueError:
-        problems.append(f"PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got {peak!r}")
-    for flag, folder, create in (("--run-dir", cfg.run_dir, True), ("--run-dir", os.path.join(cfg.run_dir, "ckpt"), True),
-                                 ("--export", os.path.dirname(os.path.abspath(getattr(cfg, "export", "") or ".")), False)):
-        why = writable(folder, create)
-        if why:
-            problems.append(f"{flag}: {folder} is not a writable folder ({why})")
-            break
     return problems
-
-
-def run_dir_problem(cfg):
-    """The preflight's check that no running job holds the run folder (rank 0 of a job locks it)."""
-    holder = run_dir_holder(cfg.run_dir)
-    return holder and (f"--run-dir {cfg.run_dir} is in use by another job ({holder} holds its .lock): "
-                       "wait for it to end, or use another --run-dir")
 
 
 def fail(message, prog=None, code=2):
@@ -157,22 +118,3 @@ def fail(message, prog=None, code=2):
     prog = prog or os.path.basename(sys.argv[0])
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
-
-
-def load_script(path):
-    """Import a script file as a module (its `main` does not run)."""
-    spec = importlib.util.spec_from_file_location("script_under_check", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # inspect finds the Config source through it
-    spec.loader.exec_module(module)
-    return module
-
-
-if __name__ == "__main__":
-    # Preflight: python -m common.config SCRIPT WORLD_SIZE [flags]; exit 0 if the flags are valid.
-    script, world = sys.argv[1], sys.argv[2]
-    os.environ["WORLD_SIZE"] = world  # the checks that depend on it (global batch) see the planned size
-    module = load_script(script)
-    cfg = parse_config(module.Config, module.check, sys.argv[3:], prog=script, presets=getattr(module, "PRESETS", None))
-    if run_dir_problem(cfg):
-        fail(run_dir_problem(cfg), prog=script)

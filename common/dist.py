@@ -1,4 +1,5 @@
-"""Distributed setup in a few visible lines: device, backend, timeout, agreeing ranks, print0, fault injection."""
+"""Distributed setup in a few visible lines: device, backend and process group; ranks that agree (a
+flag, the loss and a stop); collective timeouts; teardown and print0."""
 import contextlib
 import datetime
 import os
@@ -12,12 +13,6 @@ import torch
 import torch.distributed as dist
 
 from common.config import fail
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(choice, local_rank, local_world_size):
@@ -39,7 +34,7 @@ def setup(device_choice="auto", timeout_s=300):
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+                          MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -50,6 +45,12 @@ def setup(device_choice="auto", timeout_s=300):
     if device_choice == "auto" and device.type == "cpu" and rank == 0:
         print(f"device: cpu with gloo ({torch.cuda.device_count()} GPUs for {local_world_size} local ranks)", flush=True)
     return rank, world_size, device
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def refuse_unsafe_restarts():
@@ -98,7 +99,7 @@ class StepGuard:
         dist.all_reduce(stats)
         return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
 
-    def measured(self, step_times):
+    def shorten_timeout(self, step_times):
         """After the 5th step of this attempt (the first ones are slow): the short timeout from now on."""
         if len(step_times) == 5:
             self.step_timeout_s = min(self.timeout_s, max(self.hang_timeout_s, 20 * statistics.median(step_times)))
@@ -141,16 +142,5 @@ def print0(*args):
         print(*args, flush=True)
 
 
-def first_attempt():
-    """True in torchrun's first attempt: injected faults fire only there, so the restarted job runs clean."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-
-
 def restarts():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def crash(reason):
-    """Die abruptly, as a lost process would: no finally blocks, no atexit, no flushing by Python."""
-    print(f"injected crash: {reason}", file=sys.stderr, flush=True)
-    os._exit(17)

@@ -2,6 +2,7 @@
 events (save, load, resume, restart, fallback, reshard), in <run-dir>/metrics-rank<r>.jsonl.
 """
 import json
+import math
 import os
 import resource
 import time
@@ -65,6 +66,17 @@ def peak_flops(device):
     if os.environ.get("PEAK_TFLOPS"):
         return float(os.environ["PEAK_TFLOPS"]) * 1e12
     return bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_flops_problems():
+    """['PEAK_TFLOPS ... must be a positive number'] if the environment's override is not one, else []."""
+    peak = os.environ.get("PEAK_TFLOPS", "")
+    try:
+        if peak and not (math.isfinite(float(peak)) and float(peak) > 0):
+            raise ValueError
+    except ValueError:
+        return [f"PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got {peak!r}"]
+    return []
 
 
 def bf16_peak(gpu_name):

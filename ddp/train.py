@@ -32,15 +32,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, seed_rng,
-                               set_rng_state, step_name)
-from common.config import common_problems, fail, parse_config
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
+                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, run_dir_problems,
+                               seed_rng, set_rng_state, step_name)
+from common.config import fail, flag_problems, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, agree, crash, exit_without_finalizing, first_attempt, print0,
-                         restarts, set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
+                         set_collective_timeout, setup, teardown)
+from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import CommTimer, Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
+from common.monitor import (CommTimer, Monitor, device_name, memory, mfu, peak_flops_problems, peak_since_reset,
+                            reset_peak, state_bytes)
 
 
 # ----------------------------------------------------------------------------- config
@@ -82,13 +84,17 @@ class Config:
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
+# The layout of ckpt/step-NNNNNNNN.pt (save() writes it): a load refuses any other.
+FORMAT = 2
 
 
 def check(cfg):
-    problems = model_problems(cfg) + common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    """Every problem with the flags, the environment and the run folder, before training starts."""
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
-                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+                                   FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     return problems + [resume] if resume else problems
 
 
@@ -142,7 +148,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        crash_rank = cfg.crash_rank % world
+        faults = Faults(cfg, rank, world)  # fault injection, for the tests (common/faults.py)
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -175,7 +181,7 @@ def main(cfg):
             t0 = time.perf_counter()
             if state is None:
                 state = torch.load(chosen[0], map_location="cpu", weights_only=True)
-            problem, changes = resume_problem(state, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
             if problem:
                 fail(f"{chosen[0]}: {problem}")
             if changes:
@@ -228,9 +234,7 @@ def main(cfg):
             dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
             record = Save(step, t0)
             if rank == 0:
-                die_mid_save = None
-                if cfg.crash_in_save == step and first_attempt():
-                    die_mid_save = lambda: crash(f"rank 0 while saving step {step}")  # noqa: E731
+                die_mid_save = faults.in_save(step)
                 state = {"format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "step": step, "world_size": world, "rng": rngs, "config": dataclasses.asdict(cfg)}
                 path = ckpt_dir / step_name(step, ".pt")
@@ -288,8 +292,7 @@ def main(cfg):
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss = ddp_model(inputs, targets)
-            if cfg.nan_at_step == step + 1:
-                loss = loss * float("nan")
+            loss = faults.poison_loss(loss, step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -311,9 +314,8 @@ def main(cfg):
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
                          mfu=mfu(flops_per_step, dt, device), saving=saving)
 
-            guard.measured(step_times)
-            if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
-                crash(f"rank {rank} after step {step}")
+            guard.shorten_timeout(step_times)
+            faults.after_step(step)
 
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:

@@ -1,6 +1,6 @@
 """How fsdp/train.py writes a DCP checkpoint, synchronously or while training goes on: the writer
 that commits a folder (train.pt, then DCP's `.metadata`), the record of a save in flight and its
-waits, the staging options, and the two faults the tests inject into a save.
+waits, and the staging options.
 
 What a checkpoint holds, and how it is loaded, is in fsdp/train.py (`save`, `load_checkpoint`).
 """
@@ -19,7 +19,11 @@ from torch.torch_version import TorchVersion
 
 from common.checkpoint import atomic_save
 from common.config import fail
-from common.dist import crash
+
+# The layout of a ckpt/step-NNNNNNNN/ folder (Writer writes it): DCP's shards of "model" and
+# "optimizer", train.pt (format, step, world size, config, every rank's RNG), `.metadata` last. A load
+# refuses any other format.
+FORMAT = 2
 
 # torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
 # copy); 2.13 and later reuse one, and its buffers, for the whole run.
@@ -64,18 +68,6 @@ class Writer(dcp.FileSystemWriter):
         if self.before_commit:
             self.before_commit()
         super().finish(metadata, results)
-
-
-class DyingStager(DefaultStager):
-    """--crash-in-staging: dies in the staging thread as it starts copying the shards of `step`, while
-    the training loop goes on: the save is never committed."""
-
-    def __init__(self, options, step):
-        super().__init__(options)
-        self.step = step
-
-    def _stage(self, state_dict, **kwargs):  # what DefaultStager runs in its thread
-        crash(f"rank {dist.get_rank()} while staging step {self.step}: the copy of its shards begun, not finished")
 
 
 @dataclass

@@ -40,16 +40,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
-                               newest_resume_problem, param_digest, prune, remove, resume_problem, rng_state, seed_rng,
-                               set_rng_state, step_name)
-from common.config import common_problems, fail, parse_config
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
+                               newest_resume_problem, param_digest, prune, remove, resume_problem, rng_state,
+                               run_dir_problems, seed_rng, set_rng_state, step_name)
+from common.config import fail, flag_problems, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, agree, crash, exit_without_finalizing, first_attempt, print0,
-                         restarts, set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
+                         set_collective_timeout, setup, teardown)
+from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import Monitor, device_name, memory, mfu, peak_since_reset, reset_peak, state_bytes
-from fsdp.saving import REUSE_STAGER, DyingStager, Save, Writer, describe_staging, save_failed, staging_options
+from common.monitor import (Monitor, device_name, memory, mfu, peak_flops_problems, peak_since_reset, reset_peak,
+                            state_bytes)
+from fsdp.saving import FORMAT, REUSE_STAGER, Save, Writer, describe_staging, save_failed, staging_options
 
 
 # ----------------------------------------------------------------------------- config
@@ -100,10 +102,12 @@ SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
 
 def check(cfg):
-    problems = model_problems(cfg) + common_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    """Every problem with the flags, the environment and the run folder, before training starts."""
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
-                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+                                   FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     return problems + [resume] if resume else problems
 
 
@@ -191,7 +195,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        crash_rank = cfg.crash_rank % world
+        faults = Faults(cfg, rank, world)  # fault injection, for the tests (common/faults.py)
         # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
         # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
@@ -247,7 +251,7 @@ def main(cfg):
         if candidates[0] and saved is None:  # never train fresh over checkpoints that exist but do not load
             fail(f"no checkpoint in {ckpt_dir} loads (see above); move the damaged ones away or use another --run-dir")
         if saved is not None:
-            problem, changes = resume_problem(saved, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            problem, changes = resume_problem(saved, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
             if problem:
                 fail(f"{path}: {problem}")
             if changes:
@@ -293,16 +297,13 @@ def main(cfg):
             path = ckpt_dir / step_name(step)
             train = {"format": FORMAT, "step": step, "world_size": world, "config": dataclasses.asdict(cfg)}
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
-            torn = None
-            if cfg.crash_in_save == step and first_attempt():
-                torn = lambda: crash(f"rank 0 while saving {path}: shards written, not committed")  # noqa: E731
-            writer = Writer(path, train, rng_state(), save_group if asynchronous else None, cfg.save_threads, torn)
+            writer = Writer(path, train, rng_state(), save_group if asynchronous else None, cfg.save_threads,
+                            before_commit=faults.in_save(step, ": shards written, not committed"))
             record = Save(step, path, t0)
             if asynchronous:  # returns at once: the copy and the write go on in threads
                 if cuda:  # the side stream does not wait for the training stream: this step's weights must be final
                     torch.cuda.current_stream().synchronize()
-                dying = cfg.crash_in_staging == step and rank == crash_rank and first_attempt()
-                record.stager = DyingStager(staging, step) if dying else stager or DefaultStager(staging)
+                record.stager = faults.stager(staging, step) or stager or DefaultStager(staging)
                 response = dcp.async_save(state, storage_writer=writer, process_group=save_group,
                                           async_stager=record.stager)  # an AsyncSaveResponse: staging is async
                 record.staging, record.future = response.staging_completion, response.upload_completion
@@ -345,8 +346,7 @@ def main(cfg):
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
             loss = model(inputs, targets)
-            if cfg.nan_at_step == step + 1:
-                loss = loss * float("nan")
+            loss = faults.poison_loss(loss, step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # reduce-scatter: each rank ends with the mean gradient of its shard
             if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
@@ -370,9 +370,8 @@ def main(cfg):
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
                          mfu=mfu(flops_per_step, dt, device), saving=saving)
 
-            guard.measured(step_times)
-            if cfg.crash_at_step == step and rank == crash_rank and first_attempt():
-                crash(f"rank {rank} after step {step}")
+            guard.shorten_timeout(step_times)
+            faults.after_step(step)
 
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:

@@ -50,15 +50,15 @@ LAUNCHED_AT = time.time()  # this process's start, before torch is imported: whe
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (FORMAT, atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, seed_rng,
-                               set_rng_state, step_name)
-from common.config import common_problems, fail, parse_config
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
+                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, run_dir_problems,
+                               seed_rng, set_rng_state, step_name)
+from common.config import fail, flag_problems, parse_config
 from common.data import StepData
-from common.dist import (crash, exit_without_finalizing, first_attempt, pick_device, print0, refuse_unsafe_restarts,
-                         restarts)
+from common.dist import exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts
+from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import Monitor, memory, mfu, state_bytes
+from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
 from rpc.server import ParameterServer, Reply, set_server
 
 
@@ -105,13 +105,16 @@ class Config:
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
+# The layout of the server's ckpt/step-NNNNNNNN.pt (after_update() writes it): a load refuses any other.
+FORMAT = 2
 
 
 def check(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
-    problems = model_problems(cfg) + common_problems(cfg, world - 1)  # the trainers split the batch
+    problems = (model_problems(cfg) + flag_problems(cfg, world - 1)  # the trainers split the batch
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir))
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")
@@ -127,7 +130,7 @@ def check(cfg):
                         f"wait that long for its reply), got {cfg.straggler_timeout}")
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
-                                   SHAPE_FIELDS, SAMPLE_FIELDS)
+                                   FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     return problems + [resume] if resume else problems
 
 
@@ -180,7 +183,8 @@ def main(cfg):
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
-    crash_rank, trainers = cfg.crash_rank % world, world - 1
+    trainers = world - 1
+    faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")  # for the tests (common/faults.py)
 
     # ------------------------------------------------------------------------- data
     data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -201,7 +205,7 @@ def main(cfg):
         _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
         if state is not None:
             t0 = time.perf_counter()
-            problem, changes = resume_problem(state, cfg, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+            problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
             if problem:
                 fail(f"{path}: {problem}")
             if changes:
@@ -231,14 +235,11 @@ def main(cfg):
         def after_update(step):
             """Under the server's lock (`server` is built below), between the optimizer step and the replies:
             no update is half-done."""
-            if cfg.crash_at_step == step and crash_rank == 0 and first_attempt():
-                crash(f"server after step {step}")
+            faults.after_step(step)
             if step % cfg.save_every and step != cfg.steps:
                 return
             t0 = time.perf_counter()
-            die_mid_save = None
-            if cfg.crash_in_save == step and first_attempt():
-                die_mid_save = lambda: crash(f"server while saving step {step}")  # noqa: E731
+            die_mid_save = faults.in_save(step)
             digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
             try:
                 nbytes = atomic_save({
@@ -291,9 +292,6 @@ def main(cfg):
         reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
         trainer_step = reply.trainer_step  # this trainer's steps so far, as the server's checkpoint counts them
 
-        def fault_at(n):  # this trainer's last push took the server to step n (async may skip past it)
-            return n is not None and step < n <= reply.step and rank == crash_rank and first_attempt()
-
         while reply.stop is None and reply.step < cfg.steps:
             step = reply.step
             batch = trainer_step if cfg.mode == "async" else step  # the global batch whose rows this step trains on
@@ -303,8 +301,7 @@ def main(cfg):
             inputs, targets = (t.to(device) for t in data.batch(batch, rank - 1, trainers))
             model.zero_grad(set_to_none=True)
             loss = model(inputs, targets)
-            if cfg.nan_at_step == batch + 1:
-                loss = loss * float("nan")
+            loss = faults.poison_loss(loss, batch)
             loss.backward()
             grads = [p.grad.cpu() for p in model.parameters()]
             if rank == cfg.slow_trainer:  # a slower machine: the same step takes --slow-factor times as long
@@ -319,9 +316,8 @@ def main(cfg):
             monitor.event("step", step=reply.step, trainer_step=trainer_step, loss=loss.item(), step_s=t2 - t0,
                           compute_s=t1 - t0, wait_s=t2 - t1, tokens_per_s=tokens_per_step / trainers / (t2 - t0),
                           **memory(device), mfu=mfu(flops_per_step, t2 - t0, device))
-            if fault_at(cfg.crash_at_step):
-                crash(f"trainer {rank} after step {reply.step}")
-            if fault_at(cfg.drop_trainer_at_step):
+            faults.after_step(reply.step, previous=step)  # this push took the server from step (async may skip)
+            if faults.leaves(reply.step, previous=step):
                 print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
                 break
         if reply.stop is not None:

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import launch  # noqa: E402
+from harness import launch  # noqa: E402
 
 # A small, fast job: most of a test's time is process start-up (import torch), not training.
 SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "--heads", "2",
@@ -21,7 +21,7 @@ DROPOUT = ["--dropout", "0.1"]
 
 
 def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None):
-    """Run `script` under torchrun (common/launch.py: a free rendezvous port of its own, the restart-safe
+    """Run `script` under torchrun (harness/launch.py: a free rendezvous port of its own, the restart-safe
     environment); returns the CompletedProcess.
 
     With check=True the job must exit 0 after exactly `restarts` torchrun restarts (as its summary.json

@@ -9,7 +9,7 @@
 #   3. crash-resume on the GPU, each against a run never crashed (digests must match): fsdp killed in its
 #      async save's upload, fsdp --compile killed while staging, ddp killed in its async write;
 #   4. ddp on the largest preset with --async-save, for the README's DDP column.
-# Each job is launched as the tests launch it (python3 -m common.launch), with a timeout.
+# Each job is launched as the tests launch it (python3 -m harness.launch), with a timeout.
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
 # OUT (default /tmp/devout) receives the log, both summary.json files and save_bench.json. Exit 1 if any
@@ -26,10 +26,10 @@ exec > >(tee "$OUT/log") 2>&1
 log() { echo "=== $* (t=${SECONDS}s)"; }
 failed=()
 # verify RUN_DIR EXIT_CODE RESTARTS: the run exited 0 after exactly RESTARTS torchrun restarts, and
-# printed no Traceback if none was expected (common.launch.problems, as the tests check every run).
+# printed no Traceback if none was expected (harness.launch.problems, as the tests check every run).
 verify() {
   local why
-  why=$(python3 -c "import sys; from common.launch import problems
+  why=$(python3 -c "import sys; from harness.launch import problems
 print('; '.join(problems(sys.argv[1], int(sys.argv[2]), open(sys.argv[1] + '.log').read(), int(sys.argv[3]))))" "$@")
   if [ -n "$why" ]; then echo "FAILED $1: $why"; failed+=("$1: $why"); fi
 }
@@ -50,11 +50,11 @@ if torch.cuda.is_available():
 PY
 
 # launch SECONDS MAX_RESTARTS SCRIPT RUN_DIR FLAGS...: one process under torchrun, as the tests launch it
-# (common/launch.py), killed after SECONDS; run.sh's package check and preflight would import torch twice
+# (harness/launch.py), killed after SECONDS; run.sh's package check and preflight would import torch twice
 # more per launch. Its output goes to RUN_DIR.log.
 launch() {
   local seconds=$1 restarts=$2 script=$3 dir=$4; shift 4
-  MAX_RESTARTS=$restarts timeout "$seconds" python3 -m common.launch "$script" 1 "$dir" "$@" > "$dir.log" 2>&1
+  MAX_RESTARTS=$restarts timeout "$seconds" python3 -m harness.launch "$script" 1 --run-dir "$dir" "$@" > "$dir.log" 2>&1
 }
 
 # One big run: $STEPS steps, a save every $STEPS/2, the last at the end. The steps between saves should
@@ -70,7 +70,7 @@ big() {  # big NAME SCRIPT FLAGS...: one run on the largest preset, its figures 
   cp $R/$name/summary.json "$OUT/$name-$BIG-summary.json"
   python3 - $R/$name <<'PY'
 import json, sys
-from common.compare import events, median, step_slowdown_while_saving
+from harness.metrics import events, step_slowdown_while_saving
 ev = events(sys.argv[1]); s = json.load(open(sys.argv[1] + "/summary.json"))
 saves = [e for e in ev if e["event"] == "save" and e["rank"] == 0]
 steps = [e for e in ev if e["event"] == "step"]

@@ -2,7 +2,7 @@
 each job checked against its uninterrupted reference."""
 import json
 
-from common.chaos import KINDS
+from harness.chaos import KINDS
 from conftest import run_sh
 
 # Every kind on the smallest job it allows (--ranks 1; sigstop takes 2, as only a peer notices a hang;

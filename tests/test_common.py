@@ -9,13 +9,14 @@ import typing
 import pytest
 import torch
 
-from common.checkpoint import (FORMAT, atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest,
-                               prune, resume_problem, rng_state, run_dir_holder, set_rng_state, step_name)
+from common.checkpoint import (atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest, prune,
+                               resume_problem, rng_state, run_dir_in_use, set_rng_state, step_name)
 from common import model, monitor
-from common.config import RANGES, load_script, parse_config
+from common.config import RANGES, parse_config
 from common.data import StepData
 from common.model import ModelConfig, Transformer
 from conftest import REPO
+from harness.launch import load_script
 
 
 def test_atomic_save_killed_before_rename_keeps_old_checkpoint(tmp_path):
@@ -114,24 +115,24 @@ def test_atomic_write_that_fails_leaves_no_temp_file_and_the_old_file(tmp_path):
 def test_run_dir_lock_is_exclusive_and_released_with_its_holder(tmp_path):
     lock = lock_run_dir(tmp_path)
     assert lock is not None and lock_run_dir(tmp_path) is None  # a second holder, even in this process, is refused
-    assert "pid" in run_dir_holder(tmp_path)
+    assert "pid" in run_dir_in_use(tmp_path)
     lock.close()  # what the OS does when the holder dies
-    assert run_dir_holder(tmp_path) is None and lock_run_dir(tmp_path) is not None
+    assert run_dir_in_use(tmp_path) is None and lock_run_dir(tmp_path) is not None
 
 
 def test_resume_problem_names_what_changed_and_refuses_what_breaks_the_resume():
     ddp = load_script(REPO / "ddp" / "train.py")
     cfg = parse_config(ddp.Config, argv=[])
-    saved = {"format": FORMAT, "config": dataclasses.asdict(cfg)}
-    check = lambda new, allow=False: resume_problem(saved, new, ("dim",), ("seed", "batch_size"), allow)  # noqa: E731
+    saved = {"format": ddp.FORMAT, "config": dataclasses.asdict(cfg)}
+    check = lambda new, allow=False: resume_problem(saved, new, ddp.FORMAT, ("dim",), ("seed", "batch_size"), allow)  # noqa: E731
     assert check(cfg) == (None, [])
     assert check(dataclasses.replace(cfg, lr=0.01, run_dir="elsewhere")) == (None, ["lr 0.003 -> 0.01"])
     problem, changes = check(dataclasses.replace(cfg, seed=1))
     assert "seed=0 (this run: 1)" in problem and "--allow-changes" in problem and changes == ["seed 0 -> 1"]
     assert check(dataclasses.replace(cfg, seed=1), allow=True) == (None, ["seed 0 -> 1"])
     assert "dim=64 (this run: 32)" in check(dataclasses.replace(cfg, dim=32), allow=True)[0]
-    old = {**saved, "format": 1}
-    assert "format 1" in resume_problem(old, cfg, (), (), False)[0]
+    old = {**saved, "format": ddp.FORMAT - 1}
+    assert f"format {ddp.FORMAT - 1}" in resume_problem(old, cfg, ddp.FORMAT, (), (), False)[0]
 
 
 SCRIPTS = ["ddp/train.py", "fsdp/train.py", "rpc/ps.py"]

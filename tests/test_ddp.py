@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from common import launch
 from common.checkpoint import checkpoints, lock_run_dir, step_name
-from common.config import load_script, parse_config
-from common.dist import free_port
+from common.config import parse_config
+from harness import launch
+from harness.launch import free_port, load_script
 from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
 
 SCRIPT = "ddp/train.py"

@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-from common import launch
-from common.launch import workers
-from common.chaos import final_history
 from common.checkpoint import param_digest
-from common.config import load_script, parse_config
+from common.config import parse_config
 from common.model import Transformer, model_config
 from common.monitor import Monitor
+from harness import launch
+from harness.launch import load_script, workers
+from harness.metrics import final_history
 from conftest import REPO, SMALL, metrics, summary, torchrun
 from rpc.server import ParameterServer, lr_at
 

@@ -11,9 +11,8 @@ import uuid
 
 import yaml
 
-from common.compare import phases
-from common.dist import free_port
-from common.launch import finish, kill_node, start, torchrun as torchrun_command
+from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
+from harness.metrics import phases
 from conftest import REPO, SMALL, metrics, summary, torchrun, wait_for_step
 
 
@@ -83,7 +82,7 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     proc = torchrun("fsdp/train.py", 2, reference, *SMALL)
     assert "resharded from 4 to 2 ranks" in proc.stdout and "resuming from step 8" in proc.stdout
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
-    # The node's loss to the first step at 2 ranks: the settings that bound it are in common.launch.
+    # The node's loss to the first step at 2 ranks: the settings that bound it are in harness.launch.
     split = phases([e for r in range(2) for e in metrics(run, r)], lost_at)
     print(f"node lost -> first step at 2 ranks: {split}")
     assert split["replayed_steps"] >= 1 and split["total_s"] <= 30, split

@@ -32,69 +32,13 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
-from common.launch import finish, problems, start, torchrun  # noqa: E402
+from harness.launch import STRATEGIES, column, finish, problems, start, torchrun  # noqa: E402
+from harness.metrics import events, median_or_none, phases, startup_peaks, step_slowdown_while_saving  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
-STRATEGIES = {  # column -> (script, extra flags)
-    "ddp": ("ddp/train.py", []),
-    "ddp --async-save": ("ddp/train.py", ["--async-save"]),
-    "fsdp": ("fsdp/train.py", []),
-    "fsdp --async-save": ("fsdp/train.py", ["--async-save"]),
-    "rpc": ("rpc/ps.py", []),
-}
-
-
-def events(run_dir):
-    rows = []
-    for path in sorted(Path(run_dir).glob("metrics-rank*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines()]
-    return rows
-
-
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def phases(events, since):
-    """How long a job took to train again after the moment `since` (epoch seconds), split into what it
-    waited for, as rank 0's metrics show it; {} if no step followed a start after `since`. After a
-    fault, `since` is the fault's time; for a cold start, the launch of torchrun.
-
-      total_s         `since` to the end of the first step trained after it
-      detect_s        `since` to the launch of the new workers (the 'start' event's launched_at): the
-                      fault noticed (a failed collective, or the hang timeout), the old workers
-                      stopped, the rendezvous formed again; for a cold start, torchrun's own start
-      restart_s       the workers' launch to their first metrics line: imports, process group, model
-      load_s          the 'load' event's: reading the checkpoint resumed from
-      first_step_s    the 'start' event to the end of the first step
-      replayed_steps  steps trained again: the last step completed before `since` (after the
-                      previous 'start'), less the step resumed from
-      replay_s        the 'start' event until that step is completed again (0 if none)
-    """
-    rank0 = sorted((e for e in events if e["rank"] == 0), key=lambda e: e["time"])
-    steps = [e for e in rank0 if e["event"] == "step"]
-    start = next((e for e in rank0 if e["event"] == "start" and e["time"] > since), None)
-    first = next((e for e in steps if start and e["time"] > start["time"]), None)
-    if first is None:
-        return {}
-    workers_at = start.get("launched_at")
-    first_line = next((e["time"] for e in rank0 if workers_at and e["time"] >= workers_at), None)
-    load = [e["load_s"] for e in rank0 if e["event"] == "load" and since < e["time"] <= start["time"]]
-    previous = max((e["time"] for e in rank0 if e["event"] == "start" and e["time"] <= since), default=None)
-    resumed = start.get("resumed_from_step") or 0
-    trained = [e["step"] for e in steps if previous is not None and previous <= e["time"] <= since]
-    replayed = max(0, max(trained, default=resumed) - resumed)
-    again = next((e for e in steps if e["time"] > start["time"] and e["step"] >= resumed + replayed), first)
-    return {
-        "total_s": first["time"] - since,
-        "detect_s": workers_at - since if workers_at else None,
-        "restart_s": first_line - workers_at if workers_at and first_line else None,
-        "load_s": load[-1] if load else None,
-        "first_step_s": first["time"] - start["time"],
-        "replayed_steps": replayed,
-        "replay_s": again["time"] - start["time"] if replayed else 0.0,
-    }
+# The columns of the main table, by their command (harness.launch.STRATEGIES): rpc-async has a table of
+# its own (straggler()), its weights depending on arrival order.
+COLUMNS = {column(s): STRATEGIES[s] for s in ("ddp", "ddp-async", "fsdp", "fsdp-async", "rpc")}
 
 
 def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900):
@@ -135,26 +79,10 @@ def checkpoint_facts(job):
     files = [newest] if newest.is_file() else [p for p in newest.rglob("*") if p.is_file()]
     saves = [e for e in job["events"] if e["event"] == "save" and e["rank"] == 0]
     size = sum(p.stat().st_size for p in files)
-    total = median(e["total_s"] for e in saves)
-    return {"ckpt_bytes": size, "ckpt_files": len(files), "save_blocking_s": median(e["blocking_s"] for e in saves),
-            "save_staging_s": median(e.get("staging_s") for e in saves),
+    total = median_or_none(e["total_s"] for e in saves)
+    return {"ckpt_bytes": size, "ckpt_files": len(files), "save_blocking_s": median_or_none(e["blocking_s"] for e in saves),
+            "save_staging_s": median_or_none(e.get("staging_s") for e in saves),
             "save_total_s": total, "write_bytes_per_s": size / total if total else None}
-
-
-def step_slowdown_while_saving(steps):
-    """Rank 0's median step time over the steps that ran while an async save was in flight (their
-    `saving` flag), divided by the median over the other steps; None where no step overlapped a save."""
-    rank0 = [e for e in steps if e["rank"] == 0]
-    during = median(e["step_s"] for e in rank0 if e.get("saving"))
-    others = median(e["step_s"] for e in rank0 if not e.get("saving"))
-    return during / others if during and others else None
-
-
-def startup_peaks(events):
-    """(rank 0, the largest of the other ranks): the peak memory of building the model above what the
-    process held before (the 'built' event); None where the script writes no such event."""
-    built = {e["rank"]: e["peak_bytes"] - e["baseline_bytes"] for e in events if e["event"] == "built"}
-    return built.get(0), max((v for r, v in built.items() if r != 0), default=None)
 
 
 def blocking_vs_sync(rows):
@@ -188,9 +116,9 @@ def measure(clean, crashed, crash_step, world, strategy):
         "state_bytes_per_rank": max(e.get("state_bytes") or 0 for e in last.values()),
         "state_bytes_theory": 16 * params // (world if sharded else 1),
         "peak_mem_bytes": max(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") for e in last.values()),
-        "median_step_s": median(e["step_s"] for e in steps if e["rank"] == 0),
-        "tokens_per_s": median(e["tokens_per_s"] for e in steps if e["rank"] == 0),
-        "comm_s_per_step": median(e.get("comm_s") for e in steps if e["rank"] == 0),
+        "median_step_s": median_or_none(e["step_s"] for e in steps if e["rank"] == 0),
+        "tokens_per_s": median_or_none(e["tokens_per_s"] for e in steps if e["rank"] == 0),
+        "comm_s_per_step": median_or_none(e.get("comm_s") for e in steps if e["rank"] == 0),
         **checkpoint_facts(clean),
         "step_slowdown_while_saving": step_slowdown_while_saving(steps),
         "final_loss": clean["summary"]["final_loss"],
@@ -224,14 +152,14 @@ def main(argv=None):
     p.add_argument("nproc", type=int, help="processes (ranks) per job")
     p.add_argument("--quick", action="store_true", help="main table only, tiny model, fewer steps")
     p.add_argument("--sizes", default="tiny,small,medium", help="model sizes of the growth table")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="columns, from: " + ", ".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(COLUMNS), help="columns, from: " + ", ".join(COLUMNS))
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 30, quick 12)")
     p.add_argument("--format", choices=["table", "markdown", "json", "csv"], default="table")
     p.add_argument("--out", default="runs/compare", help="folder for the jobs and results.json")
     p.add_argument("--plot", default=None, help="write PNG figures into this folder (needs matplotlib)")
     args = p.parse_args(argv)
     strategies = args.strategies.split(",")
-    unknown = [s for s in strategies + args.sizes.split(",") if s not in STRATEGIES and s not in PRESETS]
+    unknown = [s for s in strategies + args.sizes.split(",") if s not in COLUMNS and s not in PRESETS]
     if args.nproc < 2 or unknown:
         p.error(f"unknown strategy or size: {', '.join(unknown)}" if unknown else "needs at least 2 processes")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -249,7 +177,7 @@ def main(argv=None):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
     def job(strategy, size, crash):
-        script, extra = STRATEGIES[strategy]
+        script, extra = COLUMNS[strategy]
         name = f"{strategy} {size}{' crash' if crash else ''}"
         run_dir = out / run_name(strategy, size, crash)
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
@@ -452,16 +380,16 @@ def plot(results, out, folder, log):
 
     fig, axes = plt.subplots(2, len(strategies), figsize=(4 * len(strategies), 5.5), squeeze=False, sharey="row")
     fig.suptitle("memory per rank over the uninterrupted run", fontsize=10)
-    for column, strategy in enumerate(strategies):
+    for col, strategy in enumerate(strategies):
         steps = [e for e in events(out / run_name(strategy, meta["main_size"], False)) if e["event"] == "step"]
         for rank in sorted({e["rank"] for e in steps}):
             mine = [e for e in steps if e["rank"] == rank]
             x = [e["step"] for e in mine]
-            axes[0][column].plot(x, [(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") or 0) / 2**20 for e in mine],
+            axes[0][col].plot(x, [(e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") or 0) / 2**20 for e in mine],
                                  label=f"rank {rank}")
-            axes[1][column].plot(x, [(e.get("state_bytes") or 0) / 2**20 for e in mine], label=f"rank {rank}")
-        axes[0][column].set(title=strategy)
-        axes[1][column].set(xlabel="step")
+            axes[1][col].plot(x, [(e.get("state_bytes") or 0) / 2**20 for e in mine], label=f"rank {rank}")
+        axes[0][col].set(title=strategy)
+        axes[1][col].set(xlabel="step")
     for ax in axes.flat:
         ax.set_ylim(0, 1.1 * ax.get_ylim()[1])  # after every line is drawn: the rows share their scale
     axes[0][0].set(ylabel="peak MiB (CUDA or RSS)")

@@ -28,7 +28,7 @@ whose weights depend on arrival order) is checked by its guarantees instead of a
 (async_problems); a trainer stopped there is not waited for: the job ends without it, then it is
 thawed, and the job exits 0 with no restart. Exit code 1 if any trial failed.
 
-Recovery time, per trial and as medians per kind (common.compare.phases): from the fault to the
+Recovery time, per trial and as medians per kind (harness.metrics.phases): from the fault to the
 first step trained after it, split into the wait until the new workers are launched (detection,
 stopping, rendezvous; for a preemption also the save and the relaunch), their start (imports,
 process group, model), the checkpoint load, the first step, and the steps trained again. The same
@@ -56,19 +56,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints, step_name  # noqa: E402
-from common.compare import events, phases  # noqa: E402
 from common.config import Parser  # noqa: E402
-from common.dist import free_port  # noqa: E402
-from common.launch import finish, kill_node, problems, start, torchrun, workers  # noqa: E402
+from harness.launch import STRATEGIES, finish, free_port, kill_node, problems, start, torchrun, workers  # noqa: E402
+from harness.metrics import events, final_history, phases  # noqa: E402
 
-JOBS = {  # strategy -> (script, flags)
-    "ddp": ("ddp/train.py", []),
-    "ddp-async": ("ddp/train.py", ["--async-save"]),
-    "fsdp": ("fsdp/train.py", []),
-    "fsdp-async": ("fsdp/train.py", ["--async-save"]),
-    "rpc": ("rpc/ps.py", []),
-    "rpc-async": ("rpc/ps.py", ["--mode", "async"]),  # checked by its own guarantees (async_problems), not a digest
-}
 STEPS, EVERY, BATCH = 48, 8, 12
 # A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
 # faults are drawn at least MARGIN steps before the end (a tiny job's step takes a few ms here).
@@ -118,7 +109,7 @@ class Reference:
     step_s: float  # median step time of rank 0
     total_s: float  # launch to exit
     run_dir: str
-    cold: dict  # the launch to the first step, in the phases of common.compare.phases
+    cold: dict  # the launch to the first step, in the phases of harness.metrics.phases
 
 
 @dataclass
@@ -141,7 +132,7 @@ class Trial:
     kept: Optional[bool] = None  # transient-read: the checkpoint's bytes are still on disk, under some name
     in_flight: Optional[bool] = None  # async-in-flight: the save had neither its save event nor its commit at the kill
     resumed_step: Optional[int] = None  # the step the job resumed from after the (last) fault
-    # Recovery, from the (last) fault to the first step trained after it (common.compare.phases):
+    # Recovery, from the (last) fault to the first step trained after it (harness.metrics.phases):
     recovery_s: Optional[float] = None
     detect_s: Optional[float] = None  # until the new workers' launch: detection, stopping, rendezvous
     restart_s: Optional[float] = None  # the workers' launch to their first metrics line
@@ -301,7 +292,7 @@ def intact(place, original):
 
 # ----------------------------------------------------------------------------- one trial
 def run_trial(t, strategy, kind, rng, out, ref, ranks):
-    script, extra = JOBS[strategy]
+    script, extra = STRATEGIES[strategy]
     nproc = processes(strategy, kind, ranks)
     run_dir = out / f"trial-{t:03d}-{strategy}-{kind}"
     frozen_trainer = (strategy, kind) == ("rpc-async", "sigstop")  # the job ends without it: no restart
@@ -450,18 +441,6 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
     return trial
 
 
-def final_history(events):
-    """{step: [[trainer, trainer step, version], ...] it applied} of a parameter server's last run, from rank
-    0's metrics of every launch: each start cuts the history back to the step it resumed from."""
-    history = {}
-    for e in events:
-        if e["rank"] == 0 and e["event"] == "start":
-            history = {step: applied for step, applied in history.items() if step <= (e["resumed_from_step"] or 0)}
-        elif e["rank"] == 0 and e["event"] == "step":
-            history[e["step"]] = e["applied"]
-    return history
-
-
 def async_problems(events, summary):
     """What breaks rpc/ps.py's async guarantees, from every launch's metrics ([] if nothing): each resume
     loaded the state its checkpoint's save had (weights and optimizer, by the digest the save recorded
@@ -488,7 +467,7 @@ def async_problems(events, summary):
 
 def reference(strategy, nproc, out):
     """The uninterrupted job that the trials of `strategy` with `nproc` processes are compared with."""
-    script, extra = JOBS[strategy]
+    script, extra = STRATEGIES[strategy]
     run_dir = out / f"reference-{strategy}-{nproc}"
     launched = time.time()
     proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra, *KEEP_ALL]), log=f"{run_dir}.log")
@@ -507,7 +486,7 @@ def resumed_reference(strategy, ref, nproc, step, run_dir):
     """The digest that a job which went on with `nproc` processes from its checkpoint of `step` must
     end with: the reference's checkpoint of that step (none: a fresh start), resumed with `nproc`
     processes. None if that job fails."""
-    script, extra = JOBS[strategy]
+    script, extra = STRATEGIES[strategy]
     run_dir = Path(run_dir)
     if step is not None:
         saved = dict(checkpoints(Path(ref.run_dir) / "ckpt"))[step]
@@ -537,7 +516,7 @@ def drawn_plan(kinds, strategies, rng):
         yield strategy, rng.choice([k for k, ss in pairs if strategy in ss])
 
 
-def median(values, unit=" s", digits=1):
+def median_text(values, unit=" s", digits=1):
     values = [v for v in values if v is not None]
     return f"{statistics.median(values):.{digits}f}{unit}" if values else "n/a"
 
@@ -550,7 +529,7 @@ def table(results, kinds):
             rows.append([kind, len(rs), sum(r.fired for r in rs), sum(r.recovered for r in rs),
                          sum(r.restarts == r.expected_restarts for r in rs),
                          sum(r.digest_equal or bool(r.async_ok) for r in rs),
-                         sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median(r.recovery_s for r in rs)])
+                         sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median_text(r.recovery_s for r in rs)])
     return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts as expected",
                                    "digest == reference (rpc-async: its guarantees)",
                                    "damaged loaded", "hangs", "median recovery"])
@@ -560,19 +539,19 @@ PHASES = ["detect_s", "restart_s", "load_s", "first_step_s", "replay_s"]
 
 
 def recovery_table(results, kinds, references):
-    """Medians per fault kind of the recovery's phases (common.compare.phases), then each reference's
+    """Medians per fault kind of the recovery's phases (harness.metrics.phases), then each reference's
     cold start in the same phases: what a failure costs against a launch."""
     rows = []
     for kind in kinds:
         rs = [r for r in results if r.kind == kind and r.recovery_s is not None]
         if rs:
-            rows.append([kind, len(rs), median(r.recovery_s for r in rs),
-                         *(median(getattr(r, key) for r in rs) for key in PHASES),
-                         median((r.replayed_steps for r in rs), unit="", digits=0),
-                         median((r.vs_cold_start for r in rs), unit="", digits=2)])
+            rows.append([kind, len(rs), median_text(r.recovery_s for r in rs),
+                         *(median_text(getattr(r, key) for r in rs) for key in PHASES),
+                         median_text((r.replayed_steps for r in rs), unit="", digits=0),
+                         median_text((r.vs_cold_start for r in rs), unit="", digits=2)])
     for (strategy, nproc), ref in references.items():
-        rows.append([f"cold start: {strategy}, {nproc} processes", 1, median([ref.cold.get("total_s")]),
-                     *(median([ref.cold.get(key)]) for key in PHASES), "", ""])
+        rows.append([f"cold start: {strategy}, {nproc} processes", 1, median_text([ref.cold.get("total_s")]),
+                     *(median_text([ref.cold.get(key)]) for key in PHASES), "", ""])
     return tabulate(rows, headers=["fault", "jobs", "recovery", "to workers' launch", "process start", "load",
                                    "first step", "replay", "steps replayed", "/ cold start"])
 
@@ -582,7 +561,7 @@ def main(argv=None):
     p = Parser(prog="bash run.sh chaos", description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=len(KINDS), help="jobs with faults; the first ones take every kind once")
     p.add_argument("--seed", type=int, default=0, help="reproduces the series of trials")
-    p.add_argument("--strategies", default=",".join(JOBS), help="from: " + ", ".join(JOBS))
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="from: " + ", ".join(STRATEGIES))
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, from: " + ", ".join(KINDS))
     p.add_argument("--plan", default="", help="KIND:STRATEGY,...: exactly these trials, instead of --trials drawn ones")
     p.add_argument("--ranks", type=int, default=2, help="processes of a data-parallel job (sigstop: at least 2; "
@@ -592,9 +571,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     strategies, kinds = args.strategies.split(","), args.kinds.split(",")
     planned = [tuple(reversed(e.split(":", 1))) for e in args.plan.split(",")] if args.plan else []
-    bad = [s for s in strategies + [s for s, _ in planned] if s not in JOBS]
+    bad = [s for s in strategies + [s for s, _ in planned] if s not in STRATEGIES]
     bad += [k for k in kinds + [k for _, k in planned] if k not in KINDS]
-    bad += [f"{k}:{s}" for s, k in planned if s in JOBS and k in KINDS and not applies(k, s)]
+    bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in KINDS and not applies(k, s)]
     if bad:
         p.error(f"unknown or inapplicable: {', '.join(bad)}")
     if args.trials < 1 or args.jobs < 1 or args.ranks < 1 or BATCH % args.ranks:
@@ -633,7 +612,7 @@ def main(argv=None):
     }, indent=2) + "\n")
     print(f"chaos: {len(results)} trials, seed {args.seed}, {time.time() - started:.0f} s")
     print(table(results, KINDS))
-    print(f"\nRecovery, median seconds from the fault (the phases: common.compare.phases)\n"
+    print(f"\nRecovery, median seconds from the fault (the phases: harness.metrics.phases)\n"
           f"{recovery_table(results, KINDS, references)}")
     failed = [r for r in results if not r.passed]
     for r in failed:

@@ -1,23 +1,54 @@
-"""The one torchrun command line of the runners (compare, chaos) and the tests, and the check every
-finished job gets.
+"""The one torchrun command line of run.sh, the runners (compare, chaos) and the tests; the preflight
+that checks a job's flags before torchrun starts; and the check every finished job gets.
+
+    python -m harness.launch --preflight SCRIPT NPROC [flags]   # what `bash run.sh ddp|fsdp|rpc NPROC` runs
+    python -m harness.launch SCRIPT NPROC [flags]               # no preflight (tests/gpu_check.sh)
+
+The command line reads NNODES (N, or MIN:MAX for an elastic job), NODE_RANK, RDZV_ENDPOINT (host:port
+of the first node; default localhost:0), RDZV_ID (default: the script's folder), RDZV_CONF and
+MAX_RESTARTS (default 3). Without --preflight nothing here imports torch.
 
 torchrun shares its rendezvous store with the workers by default; after a restart the new process
 group can then read the failed attempt's addresses and fail to connect or hang (pytorch issues
 135712, 167288). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, read by the agent, gives the workers a store
 of their own, so every launch here sets it.
 """
+import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from common.dist import free_port
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The jobs that the chaos soak faults and the comparison measures, by name: (script, extra flags).
+# The comparison names its columns by the command instead (column()): "ddp --async-save".
+STRATEGIES = {
+    "ddp": ("ddp/train.py", []),
+    "ddp-async": ("ddp/train.py", ["--async-save"]),
+    "fsdp": ("fsdp/train.py", []),
+    "fsdp-async": ("fsdp/train.py", ["--async-save"]),
+    "rpc": ("rpc/ps.py", []),
+    "rpc-async": ("rpc/ps.py", ["--mode", "async"]),  # chaos checks it by its guarantees, not a digest
+}
+
+
+def column(strategy):
+    """The comparison's name for a strategy: its script's folder and flags ("ddp --async-save")."""
+    script, flags = STRATEGIES[strategy]
+    return " ".join([Path(script).parent.name, *flags])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 # An elastic job (--nnodes MIN:MAX) re-forms without a lost node. c10d's defaults make that slow: a
@@ -28,20 +59,22 @@ REPO = Path(__file__).resolve().parents[1]
 ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
 
 
-def torchrun(script, nproc, run_dir, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
-             is_host=None):
-    """(command, environment) running `script --run-dir run_dir flags` under torchrun. The rendezvous
+def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
+             is_host=None, node_rank=None, rdzv_conf=None):
+    """(command, environment) running `script [--run-dir run_dir] flags` under torchrun. The rendezvous
     is on a free port of this machine, unless the agents of one job on several nodes share `endpoint`
-    (host:port) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (ELASTIC_RDZV_CONF). Agents on
-    one machine all match the endpoint's host: is_host=True/False says which one holds the rendezvous
-    store, which dies with it (a job survives the loss of any node but that one)."""
-    conf = [ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
+    (host:port) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (`rdzv_conf`, default
+    ELASTIC_RDZV_CONF). Agents on one machine all match the endpoint's host: is_host=True/False says
+    which one holds the rendezvous store, which dies with it (a job survives the loss of any node but
+    that one)."""
+    conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           *([f"--node-rank={node_rank}"] if node_rank is not None else []), f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={endpoint or f'localhost:{free_port()}'}", f"--rdzv-id={rdzv_id or uuid.uuid4().hex[:8]}",
            *([f"--rdzv-conf={','.join(conf)}"] if conf else []),
-           str(REPO / script), "--run-dir", str(run_dir), *map(str, flags)]
+           str(REPO / script), *(["--run-dir", str(run_dir)] if run_dir is not None else []), *map(str, flags)]
     return cmd, {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
 
 
@@ -117,10 +150,46 @@ def kill_node(agent):
     return found
 
 
-if __name__ == "__main__":
-    # python -m common.launch SCRIPT NPROC RUN_DIR [flags]: one job under torchrun as the tests launch it
-    # (MAX_RESTARTS, default 3), without run.sh's package check and preflight, which each import torch:
-    # tests/gpu_check.sh launches eleven jobs in a few minutes.
-    script, nproc, run_dir, *flags = sys.argv[1:]
-    cmd, env = torchrun(script, int(nproc), run_dir, flags, max_restarts=int(os.environ.get("MAX_RESTARTS", "3")))
+def load_script(path):
+    """Import a script file as a module (its `main` does not run)."""
+    spec = importlib.util.spec_from_file_location("script_under_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # inspect finds the Config source through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def preflight(script, world, flags):
+    """Check a job's flags once, before torchrun starts workers that would each fail and be retried
+    --max-restarts times: exit 2 with one line if the script's check(cfg) finds a problem at world
+    size `world`, or if a running job holds the run folder."""
+    os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
+    from common.checkpoint import run_dir_in_use
+    from common.config import fail, parse_config
+
+    module = load_script(script)
+    cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
+    in_use = run_dir_in_use(cfg.run_dir)
+    if in_use:
+        fail(in_use, prog=script)
+    del os.environ["WORLD_SIZE"]
+
+
+def main(argv):
+    """[--preflight] SCRIPT NPROC [flags]: exec torchrun with the settings of the environment (see the
+    docstring above); run.sh has checked NPROC and NNODES."""
+    checked = argv[:1] == ["--preflight"]
+    script, nproc, *flags = argv[1:] if checked else argv
+    nnodes = os.environ.get("NNODES", "1")
+    if checked:  # an elastic job is checked at its largest world size (MAX nodes)
+        preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags)
+    cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
+                        max_restarts=int(os.environ.get("MAX_RESTARTS", "3")),
+                        endpoint=os.environ.get("RDZV_ENDPOINT", "localhost:0"),
+                        rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
+                        rdzv_conf=os.environ.get("RDZV_CONF"))
     os.execvpe(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

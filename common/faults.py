@@ -1,0 +1,76 @@
+"""Fault injection for the tests and the chaos soak, in one place: each script calls these hooks in
+one line at the point where a fault fires, and nowhere else.
+
+To copy a script without it: delete this file, the lines that say `faults`, and the Config fields
+marked "fault injection". The loop that is left is the plain loop.
+
+Every fault is tied to a step, never to a time, so it lands in training however fast the machine
+is. Crashes fire only in torchrun's first attempt, so the restarted job runs clean; a NaN loss fires
+in every attempt, as a diverged run would.
+"""
+import os
+import sys
+
+
+def first_attempt():
+    """True in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT is 0 or unset)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def crash(reason):
+    """Die abruptly, as a lost process would: no finally blocks, no atexit, no flushing by Python."""
+    print(f"injected crash: {reason}", file=sys.stderr, flush=True)
+    os._exit(17)
+
+
+class Faults:
+    """The faults a script's flags ask for (its Config's crash_* and nan_at_step fields), as hooks.
+
+    `rank` is this process's rank, `world` the world size (--crash-rank -1 is the last rank), `name`
+    how a crash names this process in its one line ("rank 1", "server", "trainer 2")."""
+
+    def __init__(self, cfg, rank, world, name=None):
+        self.cfg, self.rank, self.name = cfg, rank, name or f"rank {rank}"
+        self.crash_rank = cfg.crash_rank % world
+
+    def _due(self, at, step, previous):
+        """`at` falls in (previous, step] on the crash rank, in the first attempt; previous defaults to
+        step - 1 (the rpc trainers' steps may skip past it in async mode)."""
+        previous = step - 1 if previous is None else previous
+        return at is not None and previous < at <= step and self.rank == self.crash_rank and first_attempt()
+
+    def poison_loss(self, loss, step):
+        """--nan-at-step: the loss of step N (the step after `step` completed steps) is NaN."""
+        return loss * float("nan") if self.cfg.nan_at_step == step + 1 else loss
+
+    def after_step(self, step, previous=None):
+        """--crash-at-step: the crash rank dies once it has completed step N, before saving it."""
+        if self._due(self.cfg.crash_at_step, step, previous):
+            crash(f"{self.name} after step {step}")
+
+    def leaves(self, step, previous=None):
+        """--drop-trainer-at-step (rpc): True where the crash rank should leave silently now."""
+        return self._due(getattr(self.cfg, "drop_trainer_at_step", None), step, previous)
+
+    def in_save(self, step, detail=""):
+        """--crash-in-save: a `before_commit` hook that kills the saving process once the bytes of step
+        N's checkpoint are written but not committed, or None."""
+        if self.cfg.crash_in_save == step and first_attempt():
+            return lambda: crash(f"{self.name} while saving step {step}{detail}")
+        return None
+
+    def stager(self, options, step):
+        """--crash-in-staging (fsdp --async-save): a DCP stager that kills the crash rank in its staging
+        thread as it starts copying the shards of step N (the training loop goes on meanwhile), or None."""
+        if not self._due(getattr(self.cfg, "crash_in_staging", None), step, None):
+            return None
+        from torch.distributed.checkpoint.staging import DefaultStager  # only fsdp needs DCP here
+
+        name = self.name
+
+        class DyingStager(DefaultStager):
+            def _stage(self, state_dict, **kwargs):  # what DefaultStager runs in its thread
+                crash(f"{name} while staging step {step}: the copy of its shards begun, not finished")
+
+        return DyingStager(options)
+

@@ -1,0 +1,87 @@
+"""Reading what common/monitor.py writes: every rank's metrics-rank<r>.jsonl, and the figures the
+runners, the chaos soak and the tests take from it (recovery phases, a parameter server's history,
+step times while a save is in flight, start-up memory)."""
+import json
+import statistics
+from pathlib import Path
+
+
+def events(run_dir):
+    rows = []
+    for path in sorted(Path(run_dir).glob("metrics-rank*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+def median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def phases(events, since):
+    """How long a job took to train again after the moment `since` (epoch seconds), split into what it
+    waited for, as rank 0's metrics show it; {} if no step followed a start after `since`. After a
+    fault, `since` is the fault's time; for a cold start, the launch of torchrun.
+
+      total_s         `since` to the end of the first step trained after it
+      detect_s        `since` to the launch of the new workers (the 'start' event's launched_at): the
+                      fault noticed (a failed collective, or the hang timeout), the old workers
+                      stopped, the rendezvous formed again; for a cold start, torchrun's own start
+      restart_s       the workers' launch to their first metrics line: imports, process group, model
+      load_s          the 'load' event's: reading the checkpoint resumed from
+      first_step_s    the 'start' event to the end of the first step
+      replayed_steps  steps trained again: the last step completed before `since` (after the
+                      previous 'start'), less the step resumed from
+      replay_s        the 'start' event until that step is completed again (0 if none)
+    """
+    rank0 = sorted((e for e in events if e["rank"] == 0), key=lambda e: e["time"])
+    steps = [e for e in rank0 if e["event"] == "step"]
+    start = next((e for e in rank0 if e["event"] == "start" and e["time"] > since), None)
+    first = next((e for e in steps if start and e["time"] > start["time"]), None)
+    if first is None:
+        return {}
+    workers_at = start.get("launched_at")
+    first_line = next((e["time"] for e in rank0 if workers_at and e["time"] >= workers_at), None)
+    load = [e["load_s"] for e in rank0 if e["event"] == "load" and since < e["time"] <= start["time"]]
+    previous = max((e["time"] for e in rank0 if e["event"] == "start" and e["time"] <= since), default=None)
+    resumed = start.get("resumed_from_step") or 0
+    trained = [e["step"] for e in steps if previous is not None and previous <= e["time"] <= since]
+    replayed = max(0, max(trained, default=resumed) - resumed)
+    again = next((e for e in steps if e["time"] > start["time"] and e["step"] >= resumed + replayed), first)
+    return {
+        "total_s": first["time"] - since,
+        "detect_s": workers_at - since if workers_at else None,
+        "restart_s": first_line - workers_at if workers_at and first_line else None,
+        "load_s": load[-1] if load else None,
+        "first_step_s": first["time"] - start["time"],
+        "replayed_steps": replayed,
+        "replay_s": again["time"] - start["time"] if replayed else 0.0,
+    }
+
+
+def step_slowdown_while_saving(steps):
+    """Rank 0's median step time over the steps that ran while an async save was in flight (their
+    `saving` flag), divided by the median over the other steps; None where no step overlapped a save."""
+    rank0 = [e for e in steps if e["rank"] == 0]
+    during = median_or_none(e["step_s"] for e in rank0 if e.get("saving"))
+    others = median_or_none(e["step_s"] for e in rank0 if not e.get("saving"))
+    return during / others if during and others else None
+
+
+def startup_peaks(events):
+    """(rank 0, the largest of the other ranks): the peak memory of building the model above what the
+    process held before (the 'built' event); None where the script writes no such event."""
+    built = {e["rank"]: e["peak_bytes"] - e["baseline_bytes"] for e in events if e["event"] == "built"}
+    return built.get(0), max((v for r, v in built.items() if r != 0), default=None)
+
+
+def final_history(events):
+    """{step: [[trainer, trainer step, version], ...] it applied} of a parameter server's last run, from rank
+    0's metrics of every launch: each start cuts the history back to the step it resumed from."""
+    history = {}
+    for e in events:
+        if e["rank"] == 0 and e["event"] == "start":
+            history = {step: applied for step, applied in history.items() if step <= (e["resumed_from_step"] or 0)}
+        elif e["rank"] == 0 and e["event"] == "step":
+            history[e["step"]] = e["applied"]
+    return history
