@@ -34,6 +34,7 @@ is applied twice (each update lists the (trainer, trainer step) it applied; the 
 the saved counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -105,8 +106,6 @@ class Config:
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
-# The layout of the server's ckpt/step-NNNNNNNN.pt (after_update() writes it): a load refuses any other.
-FORMAT = 2
 
 
 def check(cfg):
@@ -134,13 +133,132 @@ def check(cfg):
     return problems + [resume] if resume else problems
 
 
+# ----------------------------------------------------------------------------- checkpoint (server)
+# The layout of the server's ckpt/step-NNNNNNNN.pt, written by save_checkpoint() and read by resume(): a load
+# (and check(), before the job starts) refuses any other.
+FORMAT = 2
+
+
 def state_digest(model, optimizer):
     """A digest of the weights and the optimizer state: a resume must load exactly what the save wrote."""
     optim = {f"optimizer.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
     return param_digest({**model.state_dict(), **optim})
 
 
-# ----------------------------------------------------------------------------- trainer
+def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
+    """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones.
+    `before_commit`: a hook run once the bytes are written, before the commit (fault injection)."""
+    t0 = time.perf_counter()
+    model, optimizer, cfg = server.model, server.optimizer, server.cfg
+    digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
+    try:
+        nbytes = atomic_save({
+            "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
+            "lost": server.lost, "trainer_steps": server.trainer_steps, "digest": digest,
+        }, ckpt_dir / step_name(step, ".pt"), before_commit=before_commit)
+    except OSError as e:  # a full disk: the previous checkpoints stay as they are
+        fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept", code=3)
+    prune(ckpt_dir, cfg.keep, step)
+    save_s = time.perf_counter() - t0
+    server.monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
+    print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+
+
+def after_update(server, ckpt_dir, world, faults, step):
+    """The ParameterServer's after_update(step) (serve() binds the rest with functools.partial). It runs
+    under the server's lock, between the optimizer step and the replies: no update is half-done."""
+    faults.after_step(step)
+    if step % server.cfg.save_every == 0 or step == server.cfg.steps:
+        save_checkpoint(server, ckpt_dir, world, step, before_commit=faults.in_save(step))
+
+
+@dataclass
+class Resumed:
+    """Where the server goes on from (as it is for a fresh start unless a checkpoint loaded)."""
+    step: int = 0  # completed updates
+    resumed_from: Optional[int] = None  # the step of the checkpoint loaded; None: started fresh
+    lost: dict = dataclasses.field(default_factory=dict)  # trainer rank -> the step it was dropped at
+    trainer_steps: dict = dataclasses.field(default_factory=dict)  # trainer rank -> its steps applied or dropped
+
+
+def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
+    """Restore the model, the optimizer and the RNG from the newest checkpoint that loads, after checking
+    that it fits this job; seed the RNG if there is none. Never trains fresh over checkpoints that exist
+    but do not load."""
+    _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    if state is None:
+        if checkpoints(ckpt_dir):
+            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
+        seed_rng(cfg.seed, 0)  # the server is rank 0
+        print0("no checkpoint, starting fresh")
+        return Resumed()
+    t0 = time.perf_counter()
+    problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+    if problem:
+        fail(f"{path}: {problem}")
+    if changes:
+        print0(f"resuming with changed settings: {', '.join(changes)}")
+    # format and config: checked above; digest: reported below, beside the digest of what loaded.
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    lost = {}
+    if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
+        lost = state["lost"]
+    else:  # other ranks: the saved ranks of lost trainers may not exist
+        print0(f"world size changed from {state['world_size']} to {world}: all {world - 1} trainers live")
+    monitor.event("load", step=state["step"], load_s=time.perf_counter() - t0, path=str(path),
+                  digest=state_digest(model, optimizer), saved_digest=state.get("digest"))
+    print0(f"resuming from step {state['step']}")
+    return Resumed(state["step"], resumed_from=state["step"], lost=lost,
+                   trainer_steps=state.get("trainer_steps", {}))  # async trainers go on after them (none: before v2)
+
+
+# ----------------------------------------------------------------------------- server (rank 0)
+def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step):
+    """Rank 0: resume, answer the trainers' pulls and pushes until the last update, write summary.json."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ckpt_dir = run_dir / "ckpt"
+    # Resumed before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
+    resumed = resume(ckpt_dir, model, optimizer, cfg, world, monitor)
+    monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed.resumed_from, restarts=restarts(),
+                  world_size=world)
+    server = ParameterServer(model, optimizer, cfg, monitor, world - 1, resumed.step, resumed.lost,
+                             after_update=None, trainer_steps=resumed.trainer_steps)
+    # Bound once the server exists: each checkpoint saves its lost trainers and trainer steps.
+    server.after_update = functools.partial(after_update, server, ckpt_dir, world, faults)
+    set_server(server)  # the object the trainers' RPCs reach: set before init_rpc lets any arrive
+    torch_rpc.init_rpc("server", rank=0, world_size=world, rpc_backend_options=options)
+    try:
+        server.wait_until_done()
+    except BaseException:
+        torch_rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
+        raise
+    step_times = server.step_times
+    summary = {
+        "strategy": "rpc", "world_size": world, "steps": server.version, "final_loss": server.loss,
+        "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed.resumed_from,
+        "restarts": restarts(), "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
+        "trainers_lost": len(server.lost), "lost_trainers": sorted(server.lost),
+        "skipped_rows": server.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
+        "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
+        "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
+    }
+    atomic_write_json(summary, run_dir / "summary.json")
+    print0(f"done: step {server.version}, final loss {summary['final_loss']}, "
+           f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
+    # Stay up until every live trainer has the last weights (a local shutdown could cut a reply
+    # short), but never for a trainer that froze or died since.
+    unconfirmed = server.wait_for_leaves()
+    if unconfirmed:
+        print(f"trainers {unconfirmed} did not confirm the last step within {cfg.straggler_timeout} s: "
+              "not waiting for them", flush=True)
+
+
+# ----------------------------------------------------------------------------- trainer (ranks 1..)
 GONE = "the server is gone"  # a trainer's reason to stop when the server no longer answers
 
 
@@ -163,6 +281,51 @@ def call_server(function, *args, timeout_s):
     return answer
 
 
+def train(cfg, model, data, monitor, faults, rank, world, device, options, tokens_per_step):
+    """A trainer: pull the weights, push the gradients of its rows of the step's batch, until the last
+    step or until the server says stop (or is gone); then tell the server it has the last weights."""
+    trainers = world - 1
+    flops_per_step = 6 * num_params(model) * tokens_per_step / trainers  # model FLOPs of one trainer, for MFU
+    torch_rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    monitor.event("start", launched_at=LAUNCHED_AT, restarts=restarts(), world_size=world)
+    reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
+    trainer_step = reply.trainer_step  # this trainer's steps so far, as the server's checkpoint counts them
+
+    while reply.stop is None and reply.step < cfg.steps:
+        step = reply.step  # the server's version that these weights are
+        batch = trainer_step if cfg.mode == "async" else step  # the global batch whose rows this step trains on
+        t0 = time.perf_counter()
+        model.load_state_dict(reply.weights)
+        seed_rng(cfg.seed * 1_000_003 + batch, rank)  # dropout randomness follows from the batch, not from history
+        inputs, targets = (t.to(device) for t in data.batch(batch, rank - 1, trainers))
+        model.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss = faults.poison_loss(loss, batch)
+        loss.backward()
+        grads = [p.grad.cpu() for p in model.parameters()]
+        if rank == cfg.slow_trainer:  # a slower machine: the same step takes --slow-factor times as long
+            time.sleep((cfg.slow_factor - 1) * (time.perf_counter() - t0))
+        t1 = time.perf_counter()
+        reply = (call_server(ParameterServer.push_remote, rank, step, grads, loss.item(), batch,
+                             timeout_s=cfg.timeout_s) or Reply(step, None, GONE))
+        t2 = time.perf_counter()
+        if reply.stop is not None:
+            break
+        trainer_step = batch + 1
+        monitor.event("step", step=reply.step, trainer_step=trainer_step, loss=loss.item(), step_s=t2 - t0,
+                      compute_s=t1 - t0, wait_s=t2 - t1, tokens_per_s=tokens_per_step / trainers / (t2 - t0),
+                      **memory(device), mfu=mfu(flops_per_step, t2 - t0, device))
+        faults.after_step(reply.step, previous=step)  # this push took the server from step (async may skip)
+        if faults.leaves(reply.step, previous=step):
+            print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
+            break
+    if reply.stop is not None:
+        print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
+    elif reply.step >= cfg.steps:  # a server gone before its answer left has heard it: nothing is lost
+        call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
+
+
+# ----------------------------------------------------------------------------- main
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
@@ -173,163 +336,39 @@ def main(cfg):
     device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, int(os.environ["LOCAL_RANK"]),
                                                                 int(os.environ["LOCAL_WORLD_SIZE"]))
     options = torch_rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
-    run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "ckpt"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     # The server holds the run folder's lock until it exits: a second job on the same folder would
     # prune and overwrite this one's checkpoints.
-    lock = lock_run_dir(run_dir) if rank == 0 else True  # held until this process exits
-    if lock is None:
+    run_dir_lock = lock_run_dir(run_dir) if rank == 0 else None  # held until this process exits
+    if rank == 0 and run_dir_lock is None:
         fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
-    trainers = world - 1
     faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")  # for the tests (common/faults.py)
 
     # ------------------------------------------------------------------------- data
     data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    # ------------------------------------------------------------------------- model and optimizer
-    # The server's weights are the model; a trainer's copy is overwritten by every pull.
+    # ------------------------------------------------------------------------- model
+    # The server's weights are the model (its optimizer is built in serve()); a trainer's copy is
+    # overwritten by every pull.
     model = Transformer(model_config(cfg), seed=cfg.seed).to(device)
     print0(f"model: {num_params(model):,} parameters")
-    flops_per_step = 6 * num_params(model) * tokens_per_step / trainers  # model FLOPs of one trainer, for MFU
 
+    # ------------------------------------------------------------------------- serve or train
     if rank == 0:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-        # --------------------------------------------------------------------- resume (server)
-        # Done before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
-        step, resumed_from, lost, trainer_steps = 0, None, {}, {}
-        _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-        if state is not None:
-            t0 = time.perf_counter()
-            problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
-            if problem:
-                fail(f"{path}: {problem}")
-            if changes:
-                print0(f"resuming with changed settings: {', '.join(changes)}")
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            step = resumed_from = state["step"]
-            set_rng_state(state["rng"])
-            trainer_steps = state.get("trainer_steps", {})  # async trainers go on after them (none: saved before v2)
-            if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
-                lost = state["lost"]
-            else:  # other ranks: the saved ranks of lost trainers may not exist
-                print0(f"world size changed from {state['world_size']} to {world}: all {trainers} trainers live")
-            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path),
-                          digest=state_digest(model, optimizer), saved_digest=state.get("digest"))
-            print0(f"resuming from step {step}")
-            del state
-        elif checkpoints(ckpt_dir):  # never train fresh over checkpoints that exist but do not load
-            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
-        else:
-            seed_rng(cfg.seed, rank)
-            print0("no checkpoint, starting fresh")
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
-                      world_size=world)
-
-        # --------------------------------------------------------------------- checkpoint (server)
-        def after_update(step):
-            """Under the server's lock (`server` is built below), between the optimizer step and the replies:
-            no update is half-done."""
-            faults.after_step(step)
-            if step % cfg.save_every and step != cfg.steps:
-                return
-            t0 = time.perf_counter()
-            die_mid_save = faults.in_save(step)
-            digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
-            try:
-                nbytes = atomic_save({
-                    "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                    "lost": server.lost, "trainer_steps": server.trainer_steps, "digest": digest,
-                }, ckpt_dir / step_name(step, ".pt"), before_commit=die_mid_save)
-            except OSError as e:  # a full disk: the previous checkpoints stay as they are
-                fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept",
-                     code=3)
-            prune(ckpt_dir, cfg.keep, step)
-            save_s = time.perf_counter() - t0
-            monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
-            print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
-
-        # --------------------------------------------------------------------- serve
-        server = ParameterServer(model, optimizer, cfg, monitor, trainers, step, lost, after_update, trainer_steps)
-        set_server(server)  # the object the trainers' RPCs reach: set before init_rpc lets any arrive
-        torch_rpc.init_rpc("server", rank=rank, world_size=world, rpc_backend_options=options)
-        try:
-            server.wait_until_done()
-        except BaseException:
-            torch_rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
-            raise
-        step_times = server.step_times
-        summary = {
-            "strategy": "rpc", "world_size": world, "steps": server.version, "final_loss": server.loss,
-            "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed_from,
-            "restarts": restarts(), "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
-            "median_step_s": statistics.median(step_times) if step_times else None,
-            "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-            "trainers_lost": len(server.lost), "lost_trainers": sorted(server.lost),
-            "skipped_rows": server.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
-            "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
-            "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
-        }
-        atomic_write_json(summary, run_dir / "summary.json")
-        print0(f"done: step {server.version}, final loss {summary['final_loss']}, "
-               f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
-        # Stay up until every live trainer has the last weights (a local shutdown could cut a reply
-        # short), but never for a trainer that froze or died since.
-        silent = server.wait_for_leaves()
-        if silent:
-            print(f"trainers {silent} did not confirm the last step within {cfg.straggler_timeout} s: "
-                  "not waiting for them", flush=True)
+        serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     else:
-        # --------------------------------------------------------------------- train (trainers)
-        torch_rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=options)
-        monitor.event("start", launched_at=LAUNCHED_AT, restarts=restarts(), world_size=world)
-        reply = call_server(ParameterServer.pull_remote, rank, timeout_s=cfg.timeout_s) or Reply(0, None, GONE)
-        trainer_step = reply.trainer_step  # this trainer's steps so far, as the server's checkpoint counts them
-
-        while reply.stop is None and reply.step < cfg.steps:
-            step = reply.step
-            batch = trainer_step if cfg.mode == "async" else step  # the global batch whose rows this step trains on
-            t0 = time.perf_counter()
-            model.load_state_dict(reply.weights)
-            seed_rng(cfg.seed * 1_000_003 + batch, rank)  # dropout randomness follows from the batch, not from history
-            inputs, targets = (t.to(device) for t in data.batch(batch, rank - 1, trainers))
-            model.zero_grad(set_to_none=True)
-            loss = model(inputs, targets)
-            loss = faults.poison_loss(loss, batch)
-            loss.backward()
-            grads = [p.grad.cpu() for p in model.parameters()]
-            if rank == cfg.slow_trainer:  # a slower machine: the same step takes --slow-factor times as long
-                time.sleep((cfg.slow_factor - 1) * (time.perf_counter() - t0))
-            t1 = time.perf_counter()
-            reply = (call_server(ParameterServer.push_remote, rank, step, grads, loss.item(), batch,
-                                 timeout_s=cfg.timeout_s) or Reply(step, None, GONE))
-            t2 = time.perf_counter()
-            if reply.stop is not None:
-                break
-            trainer_step = batch + 1
-            monitor.event("step", step=reply.step, trainer_step=trainer_step, loss=loss.item(), step_s=t2 - t0,
-                          compute_s=t1 - t0, wait_s=t2 - t1, tokens_per_s=tokens_per_step / trainers / (t2 - t0),
-                          **memory(device), mfu=mfu(flops_per_step, t2 - t0, device))
-            faults.after_step(reply.step, previous=step)  # this push took the server from step (async may skip)
-            if faults.leaves(reply.step, previous=step):
-                print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
-                break
-        if reply.stop is not None:
-            print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
-        elif reply.step >= cfg.steps:  # a server gone before its answer left has heard it: nothing is lost
-            call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
+        train(cfg, model, data, monitor, faults, rank, world, device, options, tokens_per_step)
 
     # ------------------------------------------------------------------------- teardown
     # Each process shuts down its own agent. A graceful torch_rpc.shutdown() is a barrier over every
     # process with no timeout, so a trainer that froze or died would hold the job for ever; instead
     # the trainers stop once they have the last weights (or are dropped), and the server once they
-    # said so (above). No process has an RPC of its own in flight by then.
+    # said so (serve()). No process has an RPC of its own in flight by then.
     t0 = time.perf_counter()
     torch_rpc.shutdown(graceful=False)
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
