@@ -84,8 +84,6 @@ class Config:
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
-# The layout of ckpt/step-NNNNNNNN.pt (save() writes it): a load refuses any other.
-FORMAT = 2
 
 
 def check(cfg):
@@ -106,6 +104,25 @@ def lr_at(cfg, step):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+# ----------------------------------------------------------------------------- checkpoint
+# The layout of ckpt/step-NNNNNNNN.pt (save() writes it, resume() reads it): a load refuses any other.
+FORMAT = 2
+
+
+@dataclass
+class Run:
+    """What the checkpoint and the summary need of this job, fixed from setup to teardown."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    run_dir: Path
+    ckpt_dir: Path
+    monitor: Monitor
+    faults: Faults  # fault injection, for the tests (common/faults.py)
+    write_pool: Optional[ThreadPoolExecutor]  # --async-save: the one thread that writes rank 0's checkpoints
+
+
 def cpu_copy(obj, pin, memo=None):
     """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
     pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
@@ -123,7 +140,7 @@ def cpu_copy(obj, pin, memo=None):
 
 
 @dataclass
-class Save:
+class PendingSave:
     """A checkpoint being saved. blocking_s is what the training loop waited for it: all of a synchronous
     save; for an async one the CPU copy (staging_s), then the wait for its write before the next save (not
     the wait at the end of the job: no step is left to stall). `future` is rank 0's write in its thread."""
@@ -133,6 +150,134 @@ class Save:
     staging_s: Optional[float] = None
     done_at: Optional[float] = None
     future: Optional[Future] = None
+
+
+def save(run, step, model, optimizer, asynchronous):
+    """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename; every rank
+    sends it its RNG. Returns the PendingSave, still being written if asynchronous; else finished (None).
+
+    An async save copies the state into CPU memory on the main thread (pinned on CUDA: a fast copy from
+    the GPU), after which training may change the weights; run.write_pool then writes, fsyncs and renames
+    the file. One save is in flight at a time: the next one, and the end of the job, wait for it first."""
+    t0 = time.perf_counter()
+    rngs = [None] * run.world
+    dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
+    pending = PendingSave(step, t0)
+    if run.rank == 0:
+        before_commit = run.faults.in_save(step)
+        state = {"format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "world_size": run.world, "rng": rngs, "config": dataclasses.asdict(run.cfg)}
+        path = run.ckpt_dir / step_name(step, ".pt")
+        if asynchronous:
+            pin = run.device.type == "cuda"
+            state = cpu_copy(state, pin)
+            if pin:
+                torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+            pending.staging_s = time.perf_counter() - t0
+            pending.future = run.write_pool.submit(atomic_save, state, path, before_commit=before_commit)
+            pending.future.add_done_callback(lambda _: setattr(pending, "done_at", time.perf_counter()))
+        else:
+            pending.future = Future()  # done already: finish_save reports it like an async one
+            try:
+                pending.future.set_result(atomic_save(state, path, before_commit=before_commit))
+            except Exception as e:  # a full disk: the previous checkpoints stay as they are
+                pending.future.set_exception(e)
+    pending.blocking_s = time.perf_counter() - t0
+    if run.rank != 0 and asynchronous:  # nothing of it is in flight on this rank
+        pending.done_at = t0 + pending.blocking_s
+    return pending if asynchronous else finish_save(run, pending)
+
+
+def finish_save(run, pending, in_loop=True):
+    """Wait for rank 0's write (in the loop, the wait blocks training); the ranks then agree on its
+    outcome, so that all of them stop after a failed write (one line and exit 3: the checkpoints of
+    earlier steps stay the ones a restart loads), and none runs ahead of an unfinished save. Returns None:
+    no save is pending any more."""
+    t0, nbytes, error = time.perf_counter(), 0, None
+    if pending.future is not None:
+        try:
+            nbytes = pending.future.result()
+        except Exception as e:
+            error = e
+    if not agree(error is None, run.device):
+        if run.rank == 0:
+            fail(f"saving step {pending.step} failed ({getattr(error, 'strerror', None) or error}): "
+                 "the checkpoints of earlier steps are kept", code=3)
+        raise SystemExit(3)
+    if run.rank == 0:
+        prune(run.ckpt_dir, run.cfg.keep, pending.step)
+    now = time.perf_counter()
+    pending.blocking_s += now - t0 if in_loop else 0.0
+    total_s = (pending.done_at or now) - pending.t0  # its callback may run after result()
+    run.monitor.event("save", step=pending.step, blocking_s=pending.blocking_s, staging_s=pending.staging_s,
+                      total_s=total_s, bytes=nbytes)
+    print0(f"saved step {pending.step} ({nbytes / 2**20:.1f} MiB, blocking {pending.blocking_s * 1000:.0f} ms,"
+           + (f" copied in {pending.staging_s * 1000:.0f} ms," if pending.staging_s is not None else "")
+           + f" total {total_s * 1000:.0f} ms)")
+    return None
+
+
+def read_checkpoint(path):
+    """A checkpoint file as save() wrote it, its tensors on the CPU (load_state_dict moves them)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def resume(run, model, optimizer, fused):
+    """Restore the model, the optimizer and this rank's RNG from the newest checkpoint that loads, or seed
+    the RNG for a fresh start. Returns (the step to go on from, the step resumed from or None).
+
+    Rank 0 picks the checkpoint (falling back past torn ones) and every rank loads that same file, so no
+    rank can resume from another step than the others."""
+    cfg, rank, world = run.cfg, run.rank, run.world
+    chosen, state = [None], None
+    if rank == 0:
+        _, chosen[0], state = load_newest(run.ckpt_dir, read_checkpoint)
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        if checkpoints(run.ckpt_dir):  # never train fresh over checkpoints that exist but do not load
+            fail(f"no checkpoint in {run.ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
+        seed_rng(cfg.seed, rank)
+        print0("no checkpoint, starting fresh")
+        return 0, None
+    t0 = time.perf_counter()
+    if state is None:
+        state = read_checkpoint(chosen[0])
+    problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+    if problem:
+        fail(f"{chosen[0]}: {problem}")
+    if changes:
+        print0(f"resuming with changed settings: {', '.join(changes)}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
+        group["fused"] = fused
+    step = state["step"]
+    if state["world_size"] == world:
+        set_rng_state(state["rng"][rank])
+    else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
+        seed_rng(cfg.seed + step, rank)
+        print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
+    run.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]))
+    print0(f"resuming from step {step}")
+    return step, step
+
+
+# ----------------------------------------------------------------------------- summary
+def write_summary(run, model, optimizer, step, final_loss, resumed_from, step_times, tokens_per_step, flops_per_step):
+    """Rank 0: the job's outcome in summary.json (what the tests and the harness compare), and its last line."""
+    median_s = statistics.median(step_times) if step_times else None
+    summary = {
+        "strategy": "ddp", "world_size": run.world, "steps": step, "final_loss": final_loss,
+        "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed_from, "restarts": restarts(),
+        "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
+        "median_step_s": median_s,
+        "tokens_per_s": tokens_per_step / median_s if step_times else None,
+        "mfu": mfu(flops_per_step, median_s, run.device) if step_times else None,
+        "device": device_name(run.device), **memory(run.device),
+        "async_save": run.cfg.async_save,
+    }
+    atomic_write_json(summary, run.run_dir / "summary.json")
+    print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
 
 
 def main(cfg):
@@ -149,6 +294,9 @@ def main(cfg):
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
         faults = Faults(cfg, rank, world)  # fault injection, for the tests (common/faults.py)
+        write_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save
+                      else None)
+        run = Run(cfg, rank, world, device, run_dir, ckpt_dir, monitor, faults, write_pool)
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -170,41 +318,9 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # Rank 0 picks the newest checkpoint that loads (falling back past torn ones) and every rank
-        # loads that same file, so no rank can resume from another step than the others.
-        step, resumed_from, state = 0, None, None
-        chosen = [None]
-        if rank == 0:
-            _, chosen[0], state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-        dist.broadcast_object_list(chosen, src=0)
-        if chosen[0] is not None:
-            t0 = time.perf_counter()
-            if state is None:
-                state = torch.load(chosen[0], map_location="cpu", weights_only=True)
-            problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
-            if problem:
-                fail(f"{chosen[0]}: {problem}")
-            if changes:
-                print0(f"resuming with changed settings: {', '.join(changes)}")
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
-                group["fused"] = fused
-            step = resumed_from = state["step"]
-            if state["world_size"] == world:
-                set_rng_state(state["rng"][rank])
-            else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
-                seed_rng(cfg.seed + step, rank)
-                print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
-            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]))
-            print0(f"resuming from step {step}")
-            del state
-        elif checkpoints(ckpt_dir):  # never train fresh over checkpoints that exist but do not load
-            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
-        else:
-            seed_rng(cfg.seed, rank)
-            print0("no checkpoint, starting fresh")
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        step, resumed_from = resume(run, model, optimizer, fused)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
+                      world_size=world)
 
         # DDP regroups its all-reduce buckets after the first step, in the order gradients became ready.
         # A resumed job would run its first step on the initial buckets, and with more than 2 ranks the
@@ -215,74 +331,9 @@ def main(cfg):
                         find_unused_parameters=True)
         comm = CommTimer()
         ddp_model.register_comm_hook(None, comm.hook)
-
-        # An async save copies the state into CPU memory on the main thread (pinned on CUDA: a fast copy
-        # from the GPU), after which training may change the weights; a thread then writes, fsyncs and
-        # renames the file. One save is in flight at a time: the next one, and the end of the job, wait
-        # for it first.
-        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save else None
-        pin = device.type == "cuda"
         if cfg.async_save:
-            print0(f"async save: copied on the main thread into {'pinned' if pin else 'pageable'} CPU memory,"
-                   " written in a background thread")
-
-        def save(step, asynchronous):
-            """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename.
-            Returns the Save, still being written if asynchronous; else finished (None)."""
-            t0 = time.perf_counter()
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
-            record = Save(step, t0)
-            if rank == 0:
-                die_mid_save = faults.in_save(step)
-                state = {"format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "world_size": world, "rng": rngs, "config": dataclasses.asdict(cfg)}
-                path = ckpt_dir / step_name(step, ".pt")
-                if asynchronous:
-                    state = cpu_copy(state, pin)
-                    if pin:
-                        torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-                    record.staging_s = time.perf_counter() - t0
-                    record.future = writer.submit(atomic_save, state, path, before_commit=die_mid_save)
-                    record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
-                else:
-                    record.future = Future()  # done already: finish_save reports it like an async one
-                    try:
-                        record.future.set_result(atomic_save(state, path, before_commit=die_mid_save))
-                    except Exception as e:  # a full disk: the previous checkpoints stay as they are
-                        record.future.set_exception(e)
-            record.blocking_s = time.perf_counter() - t0
-            if rank != 0 and asynchronous:  # nothing of it is in flight on this rank
-                record.done_at = t0 + record.blocking_s
-            return record if asynchronous else finish_save(record)
-
-        def finish_save(record, in_loop=True):
-            """Wait for rank 0's write (in the loop, the wait blocks training); the ranks then agree on its
-            outcome, so that all of them stop after a failed write (one line and exit 3: the checkpoints of
-            earlier steps stay the ones a restart loads), and none runs ahead of an unfinished save."""
-            t0, nbytes, error = time.perf_counter(), 0, None
-            if record.future is not None:
-                try:
-                    nbytes = record.future.result()
-                except Exception as e:
-                    error = e
-            if not agree(error is None, device):
-                if rank == 0:
-                    fail(f"saving step {record.step} failed ({getattr(error, 'strerror', None) or error}): "
-                         "the checkpoints of earlier steps are kept", code=3)
-                raise SystemExit(3)
-            if rank == 0:
-                prune(ckpt_dir, cfg.keep, record.step)
-            now = time.perf_counter()
-            record.blocking_s += now - t0 if in_loop else 0.0
-            total_s = (record.done_at or now) - record.t0  # its callback may run after result()
-            monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=record.staging_s,
-                          total_s=total_s, bytes=nbytes)
-            print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
-                   + (f" copied in {record.staging_s * 1000:.0f} ms," if record.staging_s is not None else "")
-                   + f" total {total_s * 1000:.0f} ms)")
-            return None
-
+            print0(f"async save: copied on the main thread into {'pinned' if device.type == 'cuda' else 'pageable'}"
+                   " CPU memory, written in a background thread")
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
 
         # --------------------------------------------------------------------- training loop
@@ -305,7 +356,7 @@ def main(cfg):
             mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
-                    finish_save(pending, in_loop=False)
+                    finish_save(run, pending, in_loop=False)
                 fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
                      "steps are kept", code=3)
             dt = time.perf_counter() - t0
@@ -319,10 +370,10 @@ def main(cfg):
 
             # ----------------------------------------------------------------- checkpoint
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
-                with guard.patient():
+                with guard.patient():  # the other ranks may wait while rank 0 writes or prunes
                     if pending:  # one save in flight at a time: the previous one commits first
-                        pending = finish_save(pending)
-                    pending = save(step, asynchronous=cfg.async_save and not stop)
+                        pending = finish_save(run, pending)
+                    pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
@@ -331,23 +382,12 @@ def main(cfg):
         # --------------------------------------------------------------------- teardown
         set_collective_timeout(cfg.timeout_s)
         if pending:
-            finish_save(pending, in_loop=False)
-        if writer:
-            writer.shutdown()
+            finish_save(run, pending, in_loop=False)
+        if write_pool:
+            write_pool.shutdown()
         if rank == 0:
-            full_state = model.state_dict()
-            summary = {
-                "strategy": "ddp", "world_size": world, "steps": step, "final_loss": mean_loss if step_times else None,
-                "param_digest": param_digest(full_state), "resumed_from_step": resumed_from, "restarts": restarts(),
-                "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
-                "median_step_s": statistics.median(step_times) if step_times else None,
-                "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-                "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
-                "device": device_name(device), **memory(device),
-                "async_save": cfg.async_save,
-            }
-            atomic_write_json(summary, run_dir / "summary.json")
-            print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
+            write_summary(run, model, optimizer, step, mean_loss if step_times else None, resumed_from, step_times,
+                          tokens_per_step, flops_per_step)
         monitor.close()
     finally:
         teardown()
