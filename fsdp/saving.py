@@ -2,7 +2,8 @@
 that commits a folder (train.pt, then DCP's `.metadata`), the record of a save in flight and its
 waits, and the staging options.
 
-What a checkpoint holds, and how it is loaded, is in fsdp/train.py (`save`, `load_checkpoint`).
+What a checkpoint holds, how a save is made durable and pruned, and how a checkpoint is loaded, is in
+fsdp/train.py's checkpoint section (`save`, `finish_save`, `resume`).
 """
 import time
 from concurrent.futures import Future
@@ -50,29 +51,29 @@ class Writer(dcp.FileSystemWriter):
     prepare_local_plan on every rank, in the thread that saves, before it gathers their plans: each
     rank's RNG state `rng` goes to rank 0 there (over `group`, the one DCP saves over), so an async save
     gathers it off the training loop. DCP calls finish() on rank 0 once every rank's shards are on disk,
-    to write `.metadata`, the commit: `train` and the RNG states go into train.pt there, just before.
+    to write `.metadata`, the commit: `train_pt` and the RNG states go into train.pt there, just before.
     `before_commit` runs between the two (fault injection), as in common.checkpoint.atomic_write."""
 
-    def __init__(self, path, train, rng, group, thread_count, before_commit=None):
+    def __init__(self, path, train_pt, rng, group, thread_count, before_commit=None):
         super().__init__(path, thread_count=thread_count)
-        self.train, self.rng, self.group, self.before_commit = train, rng, group, before_commit
+        self.train_pt, self.rng, self.group, self.before_commit = train_pt, rng, group, before_commit
 
     def prepare_local_plan(self, plan):
         rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
         dist.gather_object(self.rng, rngs, dst=0, group=self.group)
-        self.train = {**self.train, "rng": rngs}
+        self.train_pt = {**self.train_pt, "rng": rngs}
         return super().prepare_local_plan(plan)
 
     def finish(self, metadata, results):
-        atomic_save(self.train, Path(self.path) / "train.pt")
+        atomic_save(self.train_pt, Path(self.path) / "train.pt")
         if self.before_commit:
             self.before_commit()
         super().finish(metadata, results)
 
 
 @dataclass
-class Save:
-    """A checkpoint being written. blocking_s is what the training loop waited for it: the call, then
+class ShardedSave:
+    """A DCP checkpoint being written. blocking_s is what the training loop waited for it: the call, then
     for an async save the wait for its copy (staging) before the next optimizer step and the wait for
     its commit before the next save (not the wait at the end of the job: no step is left to stall).
     An async save also holds the futures of its staging (None once waited for) and of its write, and

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +51,7 @@ from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import (Monitor, device_name, memory, mfu, peak_flops_problems, peak_since_reset, reset_peak,
                             state_bytes)
-from fsdp.saving import FORMAT, REUSE_STAGER, Save, Writer, describe_staging, save_failed, staging_options
+from fsdp.saving import FORMAT, REUSE_STAGER, ShardedSave, Writer, describe_staging, save_failed, staging_options
 
 
 # ----------------------------------------------------------------------------- config
@@ -119,6 +119,7 @@ def lr_at(cfg, step):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+# ----------------------------------------------------------------------------- model
 def scatter_from_rank0(model, full_state):
     """Give every rank its shard of each parameter from the full state dict that rank 0 holds: FSDP
     shards dim 0 as torch.chunk does, so rank r gets rows [r*n, (r+1)*n) with n = ceil(rows / world).
@@ -138,15 +139,120 @@ def scatter_from_rank0(model, full_state):
             local.copy_(shard[:local.shape[0]])
 
 
+def build_model(cfg, mesh, device, bf16, monitor):
+    """The Transformer of `cfg`, sharded over `mesh`. It is built on the meta device (shapes, no memory),
+    sharded, and only then given memory: each rank allocates its own shards, never the whole model. Rank 0
+    builds the seeded weights on the CPU and sends every rank its shards, so they are exactly the weights
+    `Transformer(seed)` has everywhere else (DDP's included)."""
+    with torch.device("meta"):
+        model = Transformer(model_config(cfg), seed=cfg.seed)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())
+    # With --cpu-offload the shards, their gradients and the optimizer state live in CPU memory, and
+    # each block's parameters visit the device only for its forward and backward.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    for block in model.blocks:
+        if cfg.compile:  # in place, so the state dict keeps its keys (torch.compile(block) would prefix them)
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
+    baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
+    model.to_empty(device="cpu" if cfg.cpu_offload else device)
+    scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed).state_dict() if dist.get_rank() == 0
+                       else None)
+    # Peak memory of construction above what the process held before it: shards, plus on rank 0 the full CPU copy.
+    monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
+                  full_model_bytes=4 * num_params(model))
+    return model
+
+
+# ----------------------------------------------------------------------------- checkpoint
+# A checkpoint is a folder ckpt/step-NNNNNNNN/ holding every rank's shards of "model" and "optimizer"
+# (DCP, by name, as get_state_dict gives them) and train.pt (format, step, world_size, config, rng). save()
+# builds it, fsdp/saving.py's Writer writes and commits it; resume() reads it back.
+@dataclass
+class Run:
+    """What every save of this run uses, fixed once the run has resumed.
+
+    An async save copies this rank's shards into CPU buffers (staging), then writes them, both in threads
+    (fsdp/saving.py): the loop waits for the copy only before its next optimizer step, which would change
+    the weights being copied. Where the torch version allows, one stager keeps its buffers for the run and
+    copies into them again at each save; else each save gets a fresh one."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    ckpt_dir: Path
+    monitor: Monitor
+    faults: Faults
+    save_group: Optional[dist.ProcessGroup]  # the async saves' own group; None without --async-save
+    staging: StagingOptions  # how an async save copies the shards (fsdp/saving.py)
+    stager: Optional[DefaultStager]  # the one stager every async save reuses, where the torch version allows
+
+
+def save(run, step, model, optimizer, asynchronous):
+    """Start the checkpoint of `step`: every rank's shards through DCP, then rank 0's train.pt and DCP's
+    `.metadata`, which commits it. Returns the ShardedSave still in flight if asynchronous, else None:
+    a synchronous save is finished (finish_save) before it returns."""
+    t0 = time.perf_counter()
+    path = run.ckpt_dir / step_name(step)
+    # The Writer adds "rng", every rank's RNG state, gathered in the thread that saves.
+    train_pt = {"format": FORMAT, "step": step, "world_size": run.world, "config": dataclasses.asdict(run.cfg)}
+    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
+    writer = Writer(path, train_pt, rng_state(), run.save_group if asynchronous else None, run.cfg.save_threads,
+                    before_commit=run.faults.in_save(step, f" into {path}: shards written, not committed"))
+    record = ShardedSave(step, path, t0)
+    if asynchronous:  # returns at once: the copy and the write go on in threads
+        # The side stream does not wait for the training stream: this step's weights must be final.
+        if run.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        record.stager = run.faults.stager(run.staging, step) or run.stager or DefaultStager(run.staging)
+        response = dcp.async_save(state, storage_writer=writer, process_group=run.save_group,
+                                  async_stager=record.stager)  # an AsyncSaveResponse: staging is async
+        record.staging, record.future = response.staging_completion, response.upload_completion
+        record.staging.add_done_callback(lambda _: setattr(record, "staged_at", time.perf_counter()))
+        record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
+        record.blocking_s = time.perf_counter() - t0
+        return record
+    try:  # returns once every rank's shards and the commit are on disk
+        dcp.save(state, storage_writer=writer)
+    except (Exception, CheckpointException) as e:  # a full disk: the folder stays uncommitted, never loaded
+        save_failed(step, e)
+    record.done_at = time.perf_counter()
+    record.blocking_s = record.done_at - t0
+    finish_save(run, record)
+    return None
+
+
+def finish_save(run, record, in_loop=True):
+    """Wait for the save `record` to commit (in the loop, the wait blocks training), then make it durable,
+    prune and report it."""
+    record.wait_committed(in_loop, run.stager)
+    nbytes = 0
+    if run.rank == 0:  # the commit reaches the disk before older checkpoints are deleted
+        fsync_dir(record.path)
+        fsync_dir(run.ckpt_dir)
+        nbytes = sum(f.stat().st_size for f in record.path.iterdir())
+        prune(run.ckpt_dir, run.cfg.keep, record.step)
+    total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
+    staging_s = record.staging_s()
+    run.monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=staging_s, total_s=total_s,
+                      bytes=nbytes, staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)
+    print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
+           + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
+           + f" total {total_s * 1000:.0f} ms)")
+
+
 def load_checkpoint(path, model, optimizer, device):
     """Load the checkpoint folder `path` into the live model and optimizer on every rank.
 
-    Returns (saved, error): saved is train.pt's record if every rank loaded the whole checkpoint,
+    Returns (train_pt, error): train_pt is train.pt's record if every rank loaded the whole checkpoint,
     else None, with this rank's error if it had one. A failed DCP load may have written part of the
     live tensors; the load that succeeds later overwrites them all."""
-    saved, error = None, None
+    train_pt, error = None, None
     try:
-        saved = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
+        train_pt = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
     except Exception as e:
         error = e
     if agree(error is None, device):
@@ -157,29 +263,92 @@ def load_checkpoint(path, model, optimizer, device):
         except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
             error = e
         if agree(error is None, device):
-            return saved, None
+            return train_pt, None
     return None, error
 
 
-def resume(candidates, model, optimizer, device, rank, monitor):
+def load_newest(candidates, model, optimizer, device, monitor):
     """Load the newest of `candidates` that loads on every rank. Each is tried twice (a read can fail
     for a moment on a network filesystem, or run out of memory), then the ranks move on together.
-    Returns (path, saved record, seconds to load, the candidates that did not load)."""
+    Returns (path, its train.pt record, seconds to load, the candidates that did not load)."""
     unreadable = []
     for path in candidates:
         for attempt in (1, 2):
             t0 = time.perf_counter()
-            saved, error = load_checkpoint(path, model, optimizer, device)
-            if saved is not None:
-                return path, saved, time.perf_counter() - t0, unreadable
+            train_pt, error = load_checkpoint(path, model, optimizer, device)
+            if train_pt is not None:
+                return path, train_pt, time.perf_counter() - t0, unreadable
             if error is not None:
                 reason = str(error).strip().splitlines()[-1][:160]  # DCP's message ends with the root cause
-                print(f"rank {rank}: checkpoint {path} unreadable ({type(error).__name__}: {reason})", flush=True)
+                print(f"rank {dist.get_rank()}: checkpoint {path} unreadable ({type(error).__name__}: {reason})",
+                      flush=True)
             print0(f"checkpoint {path.name} did not load on every rank: "
                    + ("trying once more" if attempt == 1 else "falling back to the previous one"))
         monitor.event("fallback", path=str(path), error=repr(error)[:300] if error else None)
         unreadable.append(path)
     return None, None, None, unreadable
+
+
+def resume(cfg, ckpt_dir, model, optimizer, device, monitor):
+    """Load the newest checkpoint of `ckpt_dir` that loads on every rank and fits `cfg`, and restore
+    train.pt's step and RNG states; else start fresh. Returns (step, the step resumed from or None)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
+    # turn and move on together, so they never load different steps.
+    candidates = [[path for _, path in checkpoints(ckpt_dir)] if rank == 0 else None]
+    dist.broadcast_object_list(candidates, src=0)
+    path, train_pt, load_s, unreadable = load_newest(candidates[0], model, optimizer, device, monitor)
+    step, resumed_from = 0, None
+    if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load
+        fail(f"no checkpoint in {ckpt_dir} loads (see above); move the damaged ones away or use another --run-dir")
+    if train_pt is not None:
+        problem, changes = resume_problem(train_pt, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
+        if problem:
+            fail(f"{path}: {problem}")
+        if changes:
+            print0(f"resuming with changed settings: {', '.join(changes)}")
+        step = resumed_from = train_pt["step"]
+        if train_pt["world_size"] == world:
+            set_rng_state(train_pt["rng"][rank])
+        else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
+            seed_rng(cfg.seed + step, rank)
+            print0(f"resharded from {train_pt['world_size']} to {world} ranks")
+            monitor.event("reshard", step=step, from_world_size=train_pt["world_size"], world_size=world)
+        for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
+            group["fused"] = optimizer.defaults["fused"]
+        monitor.event("load", step=step, load_s=load_s, path=str(path))
+        print0(f"resuming from step {step}")
+    else:
+        seed_rng(cfg.seed, rank)
+        print0("no checkpoint, starting fresh")
+    # The steps of newer folders will be trained and saved again, into fresh folders (a committed
+    # one is never overwritten in place): move the unreadable ones aside, and remove torn saves.
+    if rank == 0:
+        for p in unreadable:
+            move_aside(p, "did not load on every rank")
+        for _, p in checkpoints(ckpt_dir, committed=False):
+            remove(p)
+            print(f"removed {p.name} (never committed)", flush=True)
+    return step, resumed_from
+
+
+# ----------------------------------------------------------------------------- summary
+def write_summary(run, run_dir, model, optimizer, full_state, step, final_loss, resumed_from, step_times,
+                  tokens_per_step, flops_per_step):
+    """Rank 0: the job's outcome in summary.json (what the tests and the harness compare), and its last line.
+    `full_state` is the unsharded model state dict, whose digest is comparable with DDP's."""
+    median_s = statistics.median(step_times) if step_times else None
+    summary = {
+        "strategy": "fsdp", "world_size": run.world, "steps": step, "final_loss": final_loss,
+        "param_digest": param_digest(full_state), "resumed_from_step": resumed_from, "restarts": restarts(),
+        "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
+        "median_step_s": median_s,
+        "tokens_per_s": tokens_per_step / median_s if step_times else None,
+        "mfu": mfu(flops_per_step, median_s, run.device) if step_times else None,
+        "device": device_name(run.device), **memory(run.device), "async_save": run.cfg.async_save,
+    }
+    atomic_write_json(summary, run_dir / "summary.json")
+    print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
 
 
 def main(cfg):
@@ -210,29 +379,8 @@ def main(cfg):
         tokens_per_step = cfg.batch_size * cfg.seq_len
 
         # --------------------------------------------------------------------- model and optimizer
-        # The model is built on the meta device (shapes, no memory), sharded, and only then given
-        # memory: each rank allocates its own shards, never the whole model. Rank 0 builds the seeded
-        # weights on the CPU and sends every rank its shards, so they are exactly the weights
-        # `Transformer(seed)` has everywhere else (DDP's included).
-        with torch.device("meta"):
-            model = Transformer(model_config(cfg), seed=cfg.seed)
         bf16 = cfg.bf16 and device.type == "cuda"
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-        # With --cpu-offload the shards, their gradients and the optimizer state live in CPU memory, and
-        # each block's parameters visit the device only for its forward and backward.
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-        for block in model.blocks:
-            if cfg.compile:  # in place, so the state dict keeps its keys (torch.compile(block) would prefix them)
-                block.compile()
-            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
-        baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
-        model.to_empty(device="cpu" if cfg.cpu_offload else device)
-        scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed).state_dict() if rank == 0 else None)
-        # Peak memory of construction above what the process held before it: shards, plus on rank 0 the full CPU copy.
-        monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
-                      full_model_bytes=4 * num_params(model))
+        model = build_model(cfg, mesh, device, bf16, monitor)
         # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the default,
         # whose weights the DDP and FSDP digests are compared on.
         fused = True if device.type == "cuda" and not cfg.cpu_offload else None
@@ -242,106 +390,20 @@ def main(cfg):
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
-        # turn and move on together, so they never load different steps.
-        candidates = [[path for _, path in checkpoints(ckpt_dir)] if rank == 0 else None]
-        dist.broadcast_object_list(candidates, src=0)
-        path, saved, load_s, unreadable = resume(candidates[0], model, optimizer, device, rank, monitor)
-        step, resumed_from = 0, None
-        if candidates[0] and saved is None:  # never train fresh over checkpoints that exist but do not load
-            fail(f"no checkpoint in {ckpt_dir} loads (see above); move the damaged ones away or use another --run-dir")
-        if saved is not None:
-            problem, changes = resume_problem(saved, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
-            if problem:
-                fail(f"{path}: {problem}")
-            if changes:
-                print0(f"resuming with changed settings: {', '.join(changes)}")
-            step = resumed_from = saved["step"]
-            if saved["world_size"] == world:
-                set_rng_state(saved["rng"][rank])
-            else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
-                seed_rng(cfg.seed + step, rank)
-                print0(f"resharded from {saved['world_size']} to {world} ranks")
-                monitor.event("reshard", step=step, from_world_size=saved["world_size"], world_size=world)
-            for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
-                group["fused"] = fused
-            monitor.event("load", step=step, load_s=load_s, path=str(path))
-            print0(f"resuming from step {step}")
-        else:
-            seed_rng(cfg.seed, rank)
-            print0("no checkpoint, starting fresh")
-        # The steps of newer folders will be trained and saved again, into fresh folders (a committed
-        # one is never overwritten in place): move the unreadable ones aside, and remove torn saves.
-        if rank == 0:
-            for p in unreadable:
-                move_aside(p, "did not load on every rank")
-            for _, p in checkpoints(ckpt_dir, committed=False):
-                remove(p)
-                print(f"removed {p.name} (never committed)", flush=True)
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(), world_size=world)
+        step, resumed_from = resume(cfg, ckpt_dir, model, optimizer, device, monitor)
+        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
+                      world_size=world)
 
-        # An async save copies this rank's shards into CPU buffers (staging), then writes them, both in
-        # threads (fsdp/saving.py): the loop waits for the copy only before its next optimizer step, which
-        # would change the weights being copied. Where the torch version allows, one stager keeps its
-        # buffers for the run and copies into them again at each save; else each save gets a fresh one.
         cuda = device.type == "cuda"
         staging = staging_options(cuda)
-        stager = DefaultStager(staging) if cfg.async_save and REUSE_STAGER else None
+        stager = DefaultStager(staging) if cfg.async_save and REUSE_STAGER else None  # one for the run: see Run
         if cfg.async_save:
             print0(describe_staging(cuda))
-
-        def save(step, asynchronous):
-            """Start the checkpoint of `step`: every rank's shards through DCP, then rank 0's train.pt and
-            DCP's `.metadata`, which commits it. Returns the Save, still in flight if asynchronous."""
-            t0 = time.perf_counter()
-            path = ckpt_dir / step_name(step)
-            train = {"format": FORMAT, "step": step, "world_size": world, "config": dataclasses.asdict(cfg)}
-            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # this rank's shards, by name
-            writer = Writer(path, train, rng_state(), save_group if asynchronous else None, cfg.save_threads,
-                            before_commit=faults.in_save(step, ": shards written, not committed"))
-            record = Save(step, path, t0)
-            if asynchronous:  # returns at once: the copy and the write go on in threads
-                if cuda:  # the side stream does not wait for the training stream: this step's weights must be final
-                    torch.cuda.current_stream().synchronize()
-                record.stager = faults.stager(staging, step) or stager or DefaultStager(staging)
-                response = dcp.async_save(state, storage_writer=writer, process_group=save_group,
-                                          async_stager=record.stager)  # an AsyncSaveResponse: staging is async
-                record.staging, record.future = response.staging_completion, response.upload_completion
-                record.staging.add_done_callback(lambda _: setattr(record, "staged_at", time.perf_counter()))
-                record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
-                record.blocking_s = time.perf_counter() - t0
-                return record
-            try:  # returns once every rank's shards and the commit are on disk
-                dcp.save(state, storage_writer=writer)
-            except (Exception, CheckpointException) as e:  # a full disk: the folder stays uncommitted, never loaded
-                save_failed(step, e)
-            record.done_at = time.perf_counter()
-            record.blocking_s = record.done_at - t0
-            return finish_save(record)
-
-        def finish_save(record, in_loop=True):
-            """Wait for a save to commit (in the loop, the wait blocks training), then make it durable,
-            prune and report it."""
-            record.wait_committed(in_loop, stager)
-            nbytes = 0
-            if rank == 0:  # the commit reaches the disk before older checkpoints are deleted
-                fsync_dir(record.path)
-                fsync_dir(ckpt_dir)
-                nbytes = sum(f.stat().st_size for f in record.path.iterdir())
-                prune(ckpt_dir, cfg.keep, record.step)
-            total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
-            staging_s = record.staging_s()
-            monitor.event("save", step=record.step, blocking_s=record.blocking_s, staging_s=staging_s, total_s=total_s,
-                          bytes=nbytes, staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)
-            print0(f"saved step {record.step} ({nbytes / 2**20:.1f} MiB, blocking {record.blocking_s * 1000:.0f} ms,"
-                   + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
-                   + f" total {total_s * 1000:.0f} ms)")
-            return None
-
+        run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, save_group, staging, stager)
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
 
         # --------------------------------------------------------------------- training loop
-        step_times, pending = [], None
+        step_times, pending = [], None  # pending: the async save in flight, if any
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -361,7 +423,7 @@ def main(cfg):
             mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
-                    finish_save(pending, in_loop=False)
+                    finish_save(run, pending, in_loop=False)
                 fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
                      "steps are kept", code=3)
             dt = time.perf_counter() - t0
@@ -377,8 +439,8 @@ def main(cfg):
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
                 with guard.patient():
                     if pending:  # one save in flight at a time: the previous one commits first
-                        pending = finish_save(pending)
-                    pending = save(step, asynchronous=cfg.async_save and not stop)
+                        finish_save(run, pending)
+                    pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
@@ -387,7 +449,7 @@ def main(cfg):
         # --------------------------------------------------------------------- teardown
         set_collective_timeout(cfg.timeout_s)
         if pending:
-            finish_save(pending, in_loop=False)
+            finish_save(run, pending, in_loop=False)
         if stager:
             stager.close()
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.
@@ -396,17 +458,8 @@ def main(cfg):
             if cfg.export:
                 atomic_save(full_state, cfg.export)
                 print(f"exported the model state dict to {cfg.export}", flush=True)
-            summary = {
-                "strategy": "fsdp", "world_size": world, "steps": step, "final_loss": mean_loss if step_times else None,
-                "param_digest": param_digest(full_state), "resumed_from_step": resumed_from, "restarts": restarts(),
-                "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
-                "median_step_s": statistics.median(step_times) if step_times else None,
-                "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-                "mfu": mfu(flops_per_step, statistics.median(step_times), device) if step_times else None,
-                "device": device_name(device), **memory(device), "async_save": cfg.async_save,
-            }
-            atomic_write_json(summary, run_dir / "summary.json")
-            print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
+            write_summary(run, run_dir, model, optimizer, full_state, step, mean_loss if step_times else None,
+                          resumed_from, step_times, tokens_per_step, flops_per_step)
         monitor.close()
     finally:
         teardown()
