@@ -6,7 +6,7 @@
     bash run.sh chaos --plan sigstop:ddp,async-in-flight:fsdp-async --ranks 1   # these trials, smallest jobs
     bash run.sh chaos --plan node-lost:fsdp,preempt:ddp --ranks 2   # two nodes of 2 ranks, one lost; a preemption
 
-Faults (KINDS), each at a step drawn at random, never at a moment in time, so that it always lands
+Faults (FAULTS, one FaultKind each), each at a step drawn at random, never at a moment in time, so that it always lands
 in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
 one: its peers' collectives time out, torchrun stops the job and restarts it) sent to a random
 worker a random fraction of a step after the job completed that step; --crash-at-step on a random
@@ -48,7 +48,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from tabulate import tabulate
 
@@ -60,15 +60,15 @@ from common.config import Parser  # noqa: E402
 from harness.launch import STRATEGIES, finish, free_port, kill_node, problems, start, torchrun, workers  # noqa: E402
 from harness.metrics import events, final_history, phases  # noqa: E402
 
-STEPS, EVERY, BATCH = 48, 8, 12
+STEPS, SAVE_EVERY, BATCH = 48, 8, 12
 # A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
 # faults are drawn at least MARGIN steps before the end (a tiny job's step takes a few ms here).
 MARGIN = 16
 # Dropout on: only the per-rank RNG saved in each checkpoint then makes a resumed job bitwise equal.
-COMMON = ["--steps", STEPS, "--save-every", EVERY, "--dim", 64, "--layers", 2, "--heads", 4, "--seq-len", 32,
-          "--batch-size", BATCH, "--log-every", 1000, "--dropout", 0.1]
+JOB_FLAGS = ["--steps", STEPS, "--save-every", SAVE_EVERY, "--dim", 64, "--layers", 2, "--heads", 4, "--seq-len", 32,
+             "--batch-size", BATCH, "--log-every", 1000, "--dropout", 0.1]
 # References keep every checkpoint: a job that lost a node is compared with one of them resumed.
-KEEP_ALL = ["--keep", STEPS // EVERY]
+KEEP_ALL = ["--keep", STEPS // SAVE_EVERY]
 # torchrun sets OMP_NUM_THREADS=1 only for more than one process per node. A job of one process per
 # node sums in other orders with more threads: where jobs of other shapes are compared, one thread.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -77,30 +77,11 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # torchrun then waits 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
 # obeys. rpc's straggler timeout must stay below its RPC timeout. rpc-async waits for no trainer: it
 # ends without a stopped one, after waiting the straggler timeout for its goodbye; then it is thawed.
-HANG = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async": ["--straggler-timeout", 5]}
-HANG_DEFAULT = ["--hang-timeout-s", 5]
-KINDS = ["sigkill", "sigterm", "sigstop", "crash-at-step", "crash-in-save", "two-faults", "damage-newest",
-         "transient-read", "async-in-flight", "node-lost", "preempt"]
-SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
-# torchrun restarts a fault causes, else 1 (a preempted job is launched again: its count starts over)
-RESTARTS = {"two-faults": 2, "damage-newest": 0, "transient-read": 0, "preempt": 0}
+HANG_FLAGS = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async": ["--straggler-timeout", 5]}
+HANG_FLAGS_DEFAULT = ["--hang-timeout-s", 5]
+# The parameter server neither reshards nor saves on SIGTERM: node-lost and preempt are for these.
+DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc"))
 POLL_S = 0.005  # how often the metrics files are read while waiting for a step
-
-
-def applies(kind, strategy):
-    if kind in ("node-lost", "preempt"):  # the parameter server neither reshards nor saves on SIGTERM
-        return not strategy.startswith("rpc")
-    # DDP's async write of a small job takes milliseconds: a SIGKILL from outside cannot be aimed into
-    # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
-    return kind != "async-in-flight" or strategy == "fsdp-async"
-
-
-def processes(strategy, kind, ranks):
-    if strategy.startswith("rpc"):
-        return max(3, ranks + 1)  # a server and at least two trainers
-    if kind == "node-lost":
-        return 2 * ranks  # two nodes
-    return max(2, ranks) if kind == "sigstop" else ranks  # a hang is noticed only by a peer
 
 
 @dataclass
@@ -186,80 +167,124 @@ class Watch:
                     and e["attempt"] == attempt), default=0)
 
 
-def at_step(proc, watch, rng, step, attempt, step_s, deadline, fault):
+# ----------------------------------------------------------------------------- a trial's job
+@dataclass
+class Hit:
+    """A fault fired into a running job from outside."""
+    time: float
+    step: int  # the step completed then; async-in-flight: the step whose save it hit
+
+
+class FaultMissed(Exception):
+    """The fault could not be set up as planned: the trial fails with this problem and this output."""
+
+    def __init__(self, problem, output):
+        super().__init__(problem)
+        self.problem, self.output = problem, output
+
+
+@dataclass
+class Job:
+    """What the stages of one trial share: the job its fault kind prepares and fires into, and what it left."""
+    trial: Trial
+    script: str
+    run_dir: Path
+    rng: random.Random  # the trial's own: the same seed, the same draws in the same order, the same trial
+    ref: Reference
+    flags: list
+    deadline: float
+    crash_rank: int  # --crash-rank, where the kind crashes a rank
+    crash_step: Optional[int] = None  # the step an injected crash follows (--crash-in-save: the save it dies in)
+    damaged: Optional[int] = None  # the step of a checkpoint that must never be loaded: damaged, hidden or torn
+    cmd: list = field(default_factory=list)  # torchrun's command line (node 0's) and environment
+    env: dict = field(default_factory=dict)
+    proc: Optional[subprocess.Popen] = None  # its torchrun agent (preempt: the relaunch's, once launched again)
+    watch: Optional[Watch] = None
+    hit: Optional[Hit] = None  # the (last) fault fired from outside, if one was
+    lost: Optional[subprocess.Popen] = None  # node-lost: node 1's agent
+    preempted: Optional[dict] = None  # preempt: the first launch's 'preempted' event
+    hidden: Optional[Path] = None  # transient-read: the hidden checkpoint, its files' bytes, where they went back
+    original: Optional[dict] = None
+    place: Optional[Path] = None
+    committed_at: Optional[float] = None  # async-in-flight: when the save it hit committed, if it did
+    output: str = ""  # once it ended: its output, the events watched (no first launch's), its summary ({}: none)
+    events: list = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- firing into a running job
+def at_step(job, step, attempt, fault):
     """Once rank 0 has completed `step` in torchrun attempt `attempt`, wait a random fraction of a
-    step, then call `fault()` (True if it fired). Returns (time fired, the step completed then), or
-    None if the job was no longer training."""
-    if watch.first(proc, deadline, "step", attempt, min_step=step) is None:
+    step, then call `fault()` (True if it fired). Returns its Hit, or None if the job was no longer
+    training."""
+    if job.watch.first(job.proc, job.deadline, "step", attempt, min_step=step) is None:
         return None
     try:
-        proc.wait(timeout=rng.uniform(0, step_s))  # the fault's random moment within the next step
+        job.proc.wait(timeout=job.rng.uniform(0, job.ref.step_s))  # the fault's random moment within the next step
         return None
     except subprocess.TimeoutExpired:
         pass
-    reached = watch.latest_step(attempt)
+    reached = job.watch.latest_step(attempt)
     if reached >= STEPS or not fault():  # training is over: the fault would not land in it
         return None
-    return time.time(), reached
+    return Hit(time.time(), reached)
 
 
-def signal_at_step(proc, watch, rng, sig, ranks, step, attempt, step_s, deadline):
+def signal_at_step(job, sig, ranks, step, attempt):
     """at_step: send `sig` to the worker of a random rank from `ranks`. The worker is looked up once its
     attempt has started, before the step: reading /proc takes longer than a step of a small job."""
-    rank = rng.choice(ranks)
-    if watch.first(proc, deadline, "start", attempt) is None:
+    rank = job.rng.choice(ranks)
+    if job.watch.first(job.proc, job.deadline, "start", attempt) is None:
         return None
-    pid = workers(proc.pid, attempt).get(rank)
+    pid = workers(job.proc.pid, attempt).get(rank)
 
     def send():
         try:
             return pid is not None and os.kill(pid, sig) is None
         except ProcessLookupError:
             return False
-    return at_step(proc, watch, rng, step, attempt, step_s, deadline, send)
+    return at_step(job, step, attempt, send)
 
 
-def kill_in_flight(proc, rng, run_dir, ranks, saving, deadline):
-    """SIGKILL a random worker of `ranks` while the async save of step `saving` is being written in the
-    background: a shard of it on disk, its commit marker (.metadata) not yet. A save that commits before
-    it is caught passes the fault on to the next save step. Returns (time sent, the step whose save it
-    hit), or None."""
-    for step in range(saving, STEPS, EVERY):
-        folder = run_dir / "ckpt" / step_name(step)
-        while proc.poll() is None and time.time() < deadline and not (folder / ".metadata").exists():
+def kill_in_flight(job, saving):
+    """SIGKILL a random worker while the async save of step `saving` is being written in the background:
+    a shard of it on disk, its commit marker (.metadata) not yet. A save that commits before it is
+    caught passes the fault on to the next save step. Returns its Hit, or None."""
+    for step in range(saving, STEPS, SAVE_EVERY):
+        folder = job.run_dir / "ckpt" / step_name(step)
+        while job.proc.poll() is None and time.time() < job.deadline and not (folder / ".metadata").exists():
             if any(folder.glob("*.distcp")):  # written by the background thread, after the loop went on
                 try:
-                    os.kill(workers(proc.pid, 0)[rng.choice(ranks)], signal.SIGKILL)
+                    os.kill(workers(job.proc.pid, 0)[job.rng.choice(range(job.trial.processes))], signal.SIGKILL)
                 except (KeyError, ProcessLookupError):
                     return None
-                return time.time(), step
+                return Hit(time.time(), step)
             time.sleep(POLL_S)
     return None
 
 
 # ----------------------------------------------------------------------------- damaging checkpoints
-def damage_newest(run_dir, rng):
-    """Truncate the newest committed checkpoint, or delete one of its shard files. Returns its step."""
-    step, path = checkpoints(Path(run_dir) / "ckpt")[0]
-    target = path if path.is_file() else rng.choice(sorted(path.glob("*.distcp")))
-    if path.is_dir() and rng.random() < 0.5:
+def damage_newest(job):
+    """Truncate the newest committed checkpoint, or delete one of its shard files: it must never be loaded."""
+    job.damaged, path = checkpoints(job.run_dir / "ckpt")[0]
+    target = path if path.is_file() else job.rng.choice(sorted(path.glob("*.distcp")))
+    if path.is_dir() and job.rng.random() < 0.5:
         target.unlink()
     else:
         target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-    return step
 
 
-def hide_newest(run_dir, rng):
-    """Make the newest committed checkpoint unreadable for a while: a .pt file is swapped for its first
-    half, a DCP folder loses one shard. Returns (step, path, the original bytes of its files by name)."""
-    step, path = checkpoints(Path(run_dir) / "ckpt")[0]
+def hide_newest(job):
+    """Make the newest committed checkpoint unreadable for a while (put_back undoes it): a .pt file is
+    swapped for its first half, a DCP folder loses one shard. Its files' bytes are kept, by name."""
+    job.damaged, path = checkpoints(job.run_dir / "ckpt")[0]
     if path.is_file():
         original = {"": path.read_bytes()}
         path.write_bytes(original[""][: len(original[""]) // 2])
     else:
         original = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
-        (path / rng.choice(sorted(n for n in original if n.endswith(".distcp")))).unlink()
-    return step, path, original
+        (path / job.rng.choice(sorted(n for n in original if n.endswith(".distcp")))).unlink()
+    job.hidden, job.original = path, original
 
 
 def where_now(path):
@@ -290,179 +315,316 @@ def intact(place, original):
     return all((place / n).is_file() and (place / n).read_bytes() == data for n, data in original.items())
 
 
+# ----------------------------------------------------------------------------- the fault kinds' stages
+# Each takes the trial's Job. The draws from job.rng happen in the order the stages run: a seed
+# reproduces the faults of every trial only while that order stays.
+
+# prepare: before the launch
+def shorten_hang_timeouts(job):
+    """sigstop: timeouts that notice a hung worker in seconds, and the time they and torchrun's SIGKILL take."""
+    job.flags += HANG_FLAGS.get(job.trial.strategy, HANG_FLAGS_DEFAULT)
+    job.deadline += 60
+
+
+def crash_at_step(latest):
+    """--crash-at-step on a random rank, after a random step up to `latest`."""
+    def prepare(job):
+        job.crash_step = job.rng.randint(1, latest)
+        job.flags += ["--crash-at-step", job.crash_step, "--crash-rank", job.crash_rank]
+    return prepare
+
+
+def crash_in_save(job):
+    """A crash while a random save is written, before its commit: that checkpoint must never be loaded."""
+    job.damaged = job.crash_step = job.rng.randrange(SAVE_EVERY, STEPS, SAVE_EVERY)
+    job.flags += ["--crash-in-save", job.damaged]
+
+
+def first_launch_crashes(then):
+    """A first launch that dies with no restart left, after `then(job)` has done what it does to its
+    newest checkpoint: the job proper is its relaunch."""
+    def prepare(job):
+        job.crash_step = job.rng.randint(2 * SAVE_EVERY, STEPS - 1)
+        flags = [*job.flags, "--crash-at-step", job.crash_step]
+        first = start(*torchrun(job.script, job.trial.processes, job.run_dir, flags, max_restarts=0),
+                      log=f"{job.run_dir}-first.log")
+        code, output, _ = finish(first, job.deadline)
+        if code == 0 or "injected crash" not in output or not checkpoints(job.run_dir / "ckpt"):
+            raise FaultMissed(f"the first launch did not crash as injected (exit {code})", output)
+        then(job)
+    return prepare
+
+
+# launch: (command, environment) of torchrun
+def one_node(job):
+    return torchrun(job.script, job.trial.processes, job.run_dir, job.flags)
+
+
+def two_nodes(job):
+    """node-lost: an elastic job of two agents of half the workers each. Node 1's agent starts here;
+    node 0's, whose command is returned, holds the rendezvous store and survives."""
+    endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
+    cmd, env = torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2", endpoint=endpoint,
+                        rdzv_id=rdzv_id, is_host=True, env=ONE_THREAD)
+    job.lost = start(*torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2",
+                               endpoint=endpoint, rdzv_id=rdzv_id, is_host=False, env=ONE_THREAD),
+                     log=f"{job.run_dir}-node1.log")
+    return cmd, env
+
+
+# fire: into the running job, from outside
+def signal_worker(sig):
+    """`sig` to a random worker, a random fraction of a step after a random step."""
+    def fire(job):
+        job.hit = signal_at_step(job, sig, range(job.trial.processes), job.rng.randint(1, STEPS - MARGIN), 0)
+    return fire
+
+
+def stop_worker(job):
+    """SIGSTOP a random worker (a hung one). Sync rpc drops a stopped trainer by design (the digest then
+    differs): its server is stopped. rpc-async ends without a stopped trainer: then it is thawed."""
+    strategy, nproc = job.trial.strategy, job.trial.processes
+    victims = [0] if strategy == "rpc" else range(1, nproc) if strategy == "rpc-async" else range(nproc)
+    job.hit = signal_at_step(job, signal.SIGSTOP, victims, job.rng.randint(1, STEPS - MARGIN), 0)
+    if job.hit and strategy == "rpc-async" and job.watch.first(job.proc, job.deadline, "shutdown", 0):
+        for pid in workers(job.proc.pid, 0).values():  # the server is done: thaw it
+            os.kill(pid, signal.SIGCONT)
+
+
+def kill_after_resume(job):
+    """two-faults, the second: a SIGKILL at a step drawn from those the restart has left."""
+    restart = job.watch.first(job.proc, job.deadline, "start", 1)
+    if restart is not None:
+        resumed = restart["resumed_from_step"] or 0
+        job.hit = signal_at_step(job, signal.SIGKILL, range(job.trial.processes),
+                                 job.rng.randint(resumed + 1, STEPS - MARGIN), 1)
+
+
+def put_back_once_started(job):
+    """transient-read: readable again once the relaunch has chosen where to resume."""
+    if job.watch.first(job.proc, job.deadline, "start", 0) is not None:
+        job.place = put_back(job.hidden, job.original)
+
+
+def kill_a_save(job):
+    """async-in-flight: kill_in_flight from a random save step on; then, once the restart has looked for
+    a checkpoint, whether the save it hit had committed by then."""
+    job.hit = kill_in_flight(job, job.rng.randrange(SAVE_EVERY, STEPS, SAVE_EVERY))
+    if job.hit and job.watch.first(job.proc, job.deadline, "start", 1) is not None:
+        marker = job.run_dir / "ckpt" / step_name(job.hit.step) / ".metadata"
+        job.committed_at = marker.stat().st_mtime if marker.exists() else None
+
+
+def lose_node(job):
+    """node-lost: node 1 killed whole (fired if it had workers), after a step with a checkpoint before it."""
+    job.hit = at_step(job, job.rng.randint(SAVE_EVERY + 1, STEPS - MARGIN), 0, lambda: bool(kill_node(job.lost)))
+    if job.hit is None:
+        kill_node(job.lost)  # the job ended first: no stray agent
+
+
+def preempt_agent(job):
+    """SIGTERM to the agent, as a scheduler sends it; once the workers saved and exited, the job is
+    launched again."""
+    job.hit = at_step(job, job.rng.randint(1, STEPS - MARGIN), 0, lambda: job.proc.send_signal(signal.SIGTERM) is None)
+    code, output, _ = finish(job.proc, job.deadline)
+    job.preempted = next((e for e in job.watch.poll() if e["rank"] == 0 and e["event"] == "preempted"), None)
+    if job.hit is None or code in (0, None) or job.preempted is None:
+        raise FaultMissed(f"the first launch was not preempted (exit {code})", output)
+    job.proc = start(job.cmd, job.env, log=f"{job.run_dir}-relaunch.log")
+
+
+# fired: once the job ended, did the fault happen
+def landed(job):
+    return job.hit is not None
+
+
+def crash_injected(job):
+    return "injected crash" in job.output
+
+
+def crash_injected_and_landed(job):
+    return crash_injected(job) and landed(job)
+
+
+def put_back_and_kept(job):
+    """transient-read: fired once the bytes went back somewhere; `kept` if they are still all there."""
+    job.trial.kept = intact(job.place, job.original)
+    return job.place is not None
+
+
+def killed_in_flight(job):
+    """async-in-flight: the kill came after the save began, before its save event and its commit."""
+    hit = job.hit
+    saved = hit and any(e["rank"] == 0 and e["event"] == "save" and e["attempt"] == 0 and e["step"] == hit.step
+                        and e["time"] < hit.time for e in job.events)
+    job.trial.in_flight = bool(hit and not saved and (job.committed_at is None or job.committed_at > hit.time))
+    return job.trial.in_flight
+
+
+# checks and expected: the kind's own judgement of the finished job
+def at_survivors_size(job):
+    size = job.trial.processes // 2  # node 0's workers
+    if job.summary and job.summary["world_size"] != size:
+        return [f"ended at world size {job.summary['world_size']}, not {size}"]
+    return []
+
+
+def resumed_alike(job):
+    """node-lost: the reference's checkpoint of the step resumed from, resumed at the survivor's size."""
+    return resumed_reference(job.trial.strategy, job.ref, job.trial.processes // 2, job.trial.resumed_step,
+                             f"{job.run_dir}-reference")
+
+
+def no_step_lost(job):
+    """preempt: the step in progress at the signal was saved, and resumed from."""
+    preempted, wrong = job.preempted, []
+    done = max((e["step"] for e in job.events if e["rank"] == 0 and e["event"] == "step"
+                and e["time"] < preempted["signalled_at"]), default=0)
+    if not done <= preempted["step"] <= done + 1:
+        wrong.append(f"saved step {preempted['step']} for a signal after step {done}")
+    if job.trial.resumed_step != preempted["step"]:
+        wrong.append(f"resumed from step {job.trial.resumed_step}, not the preempted {preempted['step']}")
+    return wrong
+
+
+# ----------------------------------------------------------------------------- the fault kinds
+@dataclass
+class FaultKind:
+    """A kind of fault: the jobs it applies to, and its part in each stage of a trial (run_trial). A new
+    kind is one entry of FAULTS, with its stage functions above."""
+    name: str
+    strategies: tuple = tuple(STRATEGIES)  # those it applies to
+    nodes: int = 1  # torchrun agents of --ranks workers each (a parameter server's job: one, see processes())
+    min_ranks: int = 1  # workers per agent, whatever --ranks says
+    restarts: int = 1  # torchrun restarts it causes (a job launched again counts from 0 again)
+    restarts_on: dict = field(default_factory=dict)  # {strategy: restarts} where a strategy differs
+    relaunch_timed: bool = False  # its relaunch is a recovery, timed from the fault (not after damage: no fault time)
+    prepare: Callable = lambda job: None  # before the launch; FaultMissed if it could not
+    launch: Callable = one_node
+    fire: Callable = lambda job: None  # while the job runs; FaultMissed if it could not
+    fired: Callable = landed  # once the job ended: did the fault happen
+    checks: Callable = lambda job: []  # problems beyond those of every trial
+    expected: Callable = lambda job: job.ref.digest  # the digest the job's summary must have
+
+
+FAULTS = {kind.name: kind for kind in [
+    FaultKind("sigkill", fire=signal_worker(signal.SIGKILL)),
+    FaultKind("sigterm", fire=signal_worker(signal.SIGTERM)),  # a preempted worker
+    # A hung worker, noticed only by a peer: its peers' collectives time out, torchrun restarts the job;
+    # rpc-async ends without a stopped trainer, with no restart.
+    FaultKind("sigstop", min_ranks=2, restarts_on={"rpc-async": 0}, prepare=shorten_hang_timeouts, fire=stop_worker),
+    FaultKind("crash-at-step", prepare=crash_at_step(STEPS - 1), fired=crash_injected),
+    FaultKind("crash-in-save", prepare=crash_in_save, fired=crash_injected),
+    # A crash, then a SIGKILL after the resume: the crash leaves room for the second fault.
+    FaultKind("two-faults", restarts=2, prepare=crash_at_step(STEPS - 2 * MARGIN), fire=kill_after_resume,
+              fired=crash_injected_and_landed),
+    FaultKind("damage-newest", restarts=0, prepare=first_launch_crashes(then=damage_newest),
+              fired=lambda job: True),  # damaged before the relaunch
+    FaultKind("transient-read", restarts=0, prepare=first_launch_crashes(then=hide_newest),
+              fire=put_back_once_started, fired=put_back_and_kept),
+    # DDP's async write of a small job takes milliseconds: a SIGKILL from outside cannot be aimed into
+    # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
+    FaultKind("async-in-flight", strategies=("fsdp-async",), fire=kill_a_save, fired=killed_in_flight),
+    FaultKind("node-lost", strategies=DATA_PARALLEL, nodes=2, launch=two_nodes, fire=lose_node,
+              checks=at_survivors_size, expected=resumed_alike),
+    FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
+              checks=no_step_lost),
+]}
+KINDS = list(FAULTS)
+
+
+def processes(strategy, kind, ranks):
+    if strategy.startswith("rpc"):
+        return max(3, ranks + 1)  # a server and at least two trainers
+    return kind.nodes * max(kind.min_ranks, ranks)
+
+
 # ----------------------------------------------------------------------------- one trial
 def run_trial(t, strategy, kind, rng, out, ref, ranks):
-    script, extra = STRATEGIES[strategy]
+    """Trial `t`: the kind prepares its job, the job is launched, the kind fires its fault into it, the
+    job is waited for and judged."""
+    script, strategy_flags = STRATEGIES[strategy]
     nproc = processes(strategy, kind, ranks)
-    run_dir = out / f"trial-{t:03d}-{strategy}-{kind}"
-    frozen_trainer = (strategy, kind) == ("rpc-async", "sigstop")  # the job ends without it: no restart
-    trial = Trial(t, strategy, kind, nproc, 0 if frozen_trainer else RESTARTS.get(kind, 1))
-    flags = [*COMMON, *extra, *(HANG.get(strategy, HANG_DEFAULT) if kind == "sigstop" else [])]
-    deadline = time.time() + 4 * ref.total_s + 60 + (60 if kind == "sigstop" else 0)
-    crash_rank = rng.randrange(nproc)
-    crashed = None  # the step after which --crash-at-step fires
-    damaged = None  # the step of a checkpoint that must never be loaded: damaged, hidden or torn
-    hidden = original = place = None  # transient-read: the hidden checkpoint, its bytes, where they went back
-    committed_at = None  # async-in-flight: when the save the fault hit committed, if it did
+    trial = Trial(t, strategy, kind.name, nproc, kind.restarts_on.get(strategy, kind.restarts))
+    job = Job(trial, script, out / f"trial-{t:03d}-{strategy}-{kind.name}", rng, ref, [*JOB_FLAGS, *strategy_flags],
+              deadline=time.time() + 4 * ref.total_s + 60, crash_rank=rng.randrange(nproc))  # drawn first, any kind
+    try:
+        kind.prepare(job)
+        job.cmd, job.env = kind.launch(job)
+        trial.command = " ".join(job.cmd)
+        job.watch = Watch(job.run_dir)
+        job.proc = start(job.cmd, job.env, log=f"{job.run_dir}.log")
+        kind.fire(job)
+    except FaultMissed as missed:
+        trial.problems.append(missed.problem)
+        trial.output_tail = missed.output[-3000:]
+        return trial
+    code, job.output, trial.hung = finish(job.proc, job.deadline)
+    job.events = job.watch.poll()
+    return judge(job, kind, code)
 
-    # ------------------------------------------------------------------------- before the job
-    if kind in ("damage-newest", "transient-read"):  # a first launch dies with no restart left
-        crashed = rng.randint(2 * EVERY, STEPS - 1)
-        first = start(*torchrun(script, nproc, run_dir, [*flags, "--crash-at-step", crashed], max_restarts=0),
-                      log=f"{run_dir}-first.log")
-        code, output, _ = finish(first, deadline)
-        if code == 0 or "injected crash" not in output or not checkpoints(run_dir / "ckpt"):
-            trial.problems.append(f"the first launch did not crash as injected (exit {code})")
-            trial.output_tail = output[-3000:]
-            return trial
-        if kind == "damage-newest":
-            damaged = damage_newest(run_dir, rng)
-        else:
-            damaged, hidden, original = hide_newest(run_dir, rng)
-    elif kind in ("crash-at-step", "two-faults"):  # two-faults leaves room for a second fault after the resume
-        crashed = rng.randint(1, STEPS - (2 * MARGIN if kind == "two-faults" else 1))
-        flags += ["--crash-at-step", crashed, "--crash-rank", crash_rank]
-    elif kind == "crash-in-save":
-        damaged = rng.randrange(EVERY, STEPS, EVERY)
-        flags += ["--crash-in-save", damaged]
 
-    # ------------------------------------------------------------------------- the job, and its faults
-    lost = None  # node-lost: node 1's agent; node 0 holds the rendezvous store, and survives
-    if kind == "node-lost":
-        endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
-        cmd, env = torchrun(script, nproc // 2, run_dir, flags, nnodes="1:2", endpoint=endpoint, rdzv_id=rdzv_id,
-                            is_host=True, env=ONE_THREAD)
-        lost = start(*torchrun(script, nproc // 2, run_dir, flags, nnodes="1:2", endpoint=endpoint,
-                               rdzv_id=rdzv_id, is_host=False, env=ONE_THREAD), log=f"{run_dir}-node1.log")
-    else:
-        cmd, env = torchrun(script, nproc, run_dir, flags)
-    trial.command = " ".join(cmd)
-    watch = Watch(run_dir)
-    proc = start(cmd, env, log=f"{run_dir}.log")
-    fault = None  # (time, step) of a signal sent
-    first_exit = preempted = None  # preempt: the first launch's exit code, and its 'preempted' event
-    if kind == "node-lost":  # after a step with a checkpoint before it
-        fault = at_step(proc, watch, rng, rng.randint(EVERY + 1, STEPS - MARGIN), 0, ref.step_s, deadline,
-                        lambda: bool(kill_node(lost)))  # fired if it had workers
-        if fault is None:
-            kill_node(lost)  # the job ended first: no stray agent
-    elif kind == "preempt":  # SIGTERM to the agent, as a scheduler sends it; then the job is launched again
-        fault = at_step(proc, watch, rng, rng.randint(1, STEPS - MARGIN), 0, ref.step_s, deadline,
-                        lambda: proc.send_signal(signal.SIGTERM) is None)
-        first_exit, output, _ = finish(proc, deadline)
-        preempted = next((e for e in watch.poll() if e["rank"] == 0 and e["event"] == "preempted"), None)
-        if fault is None or first_exit in (0, None) or preempted is None:
-            trial.problems.append(f"the first launch was not preempted (exit {first_exit})")
-            trial.output_tail = output[-3000:]
-            return trial
-        proc = start(cmd, env, log=f"{run_dir}-relaunch.log")
-    elif kind in SIGNALS:  # sync rpc drops a stopped trainer by design (the digest then differs): stop its server
-        victims = [0] if (strategy, kind) == ("rpc", "sigstop") else range(1, nproc) if frozen_trainer else range(nproc)
-        fault = signal_at_step(proc, watch, rng, SIGNALS[kind], victims, rng.randint(1, STEPS - MARGIN), 0,
-                               ref.step_s, deadline)
-        if fault and frozen_trainer and watch.first(proc, deadline, "shutdown", 0):  # the server is done: thaw it
-            for pid in workers(proc.pid, 0).values():
-                os.kill(pid, signal.SIGCONT)
-    elif kind == "two-faults":  # the second: a SIGKILL at a step drawn from those the restart has left
-        restart = watch.first(proc, deadline, "start", 1)
-        if restart is not None:
-            resumed = restart["resumed_from_step"] or 0
-            fault = signal_at_step(proc, watch, rng, signal.SIGKILL, range(nproc),
-                                   rng.randint(resumed + 1, STEPS - MARGIN), 1, ref.step_s, deadline)
-    elif kind == "transient-read":  # readable again once the relaunch has chosen where to resume
-        if watch.first(proc, deadline, "start", 0) is not None:
-            place = put_back(hidden, original)
-    elif kind == "async-in-flight":
-        fault = kill_in_flight(proc, rng, run_dir, range(nproc), rng.randrange(EVERY, STEPS, EVERY), deadline)
-        if fault and watch.first(proc, deadline, "start", 1) is not None:  # had it committed when the restart looked?
-            marker = run_dir / "ckpt" / step_name(fault[1]) / ".metadata"
-            committed_at = marker.stat().st_mtime if marker.exists() else None
-    code, output, trial.hung = finish(proc, deadline)
-    ev = watch.poll()
+def judge(job, kind, code):
+    """The finished job against its reference: what every trial is checked for, the recovery in its
+    phases, and the kind's own checks."""
+    trial, ev, summary_path = job.trial, job.events, job.run_dir / "summary.json"
+    job.summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
+    trial.exit, trial.restarts, trial.recovered = code, job.summary.get("restarts"), bool(job.summary)
+    trial.problems += ["hung"] if trial.hung else problems(job.run_dir, code, job.output, trial.expected_restarts)
+    resumed_from = [e["resumed_from_step"] for e in ev if e["rank"] == 0 and e["event"] == "start"]
+    trial.bad_loads = sum(job.damaged is not None and step == job.damaged for step in resumed_from)
+    trial.fired = kind.fired(job)
+    trial.fault_step = job.hit.step if job.hit else job.crash_step
 
-    # ------------------------------------------------------------------------- what happened
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
-    trial.exit, trial.restarts, trial.recovered = code, summary.get("restarts"), bool(summary)
-    trial.problems += ["hung"] if trial.hung else problems(run_dir, code, output, trial.expected_restarts)
-    resumed = [e["resumed_from_step"] for e in ev if e["rank"] == 0 and e["event"] == "start"]
-    trial.bad_loads = sum(damaged is not None and step == damaged for step in resumed)
-    injected = "injected crash" in output
-    if kind in SIGNALS or kind in ("node-lost", "preempt"):
-        trial.fired = fault is not None
-    elif kind == "two-faults":
-        trial.fired = injected and fault is not None
-    elif kind == "damage-newest":
-        trial.fired = True  # damaged before the relaunch
-    elif kind == "transient-read":
-        trial.fired, trial.kept = place is not None, intact(place, original)
-    elif kind == "async-in-flight":  # the kill came after the save began, before its save event and its commit
-        saved = [e for e in ev if e["rank"] == 0 and e["event"] == "save" and e["attempt"] == 0
-                 and fault and e["step"] == fault[1] and e["time"] < fault[0]]
-        trial.in_flight = bool(fault and not saved and (committed_at is None or committed_at > fault[0]))
-        trial.fired = trial.in_flight
-    else:
-        trial.fired = injected
-    trial.fault_step = fault[1] if fault else damaged if kind == "crash-in-save" else crashed
-
-    # ------------------------------------------------------------------------- the recovery
-    trained = [e["time"] for e in ev if e["attempt"] == 0 and e["event"] in ("step", "save")]
-    fault_at = fault[0] if fault else max(trained, default=None)  # an injected crash: attempt 0's last step or save
-    if fault_at and (trial.expected_restarts or kind == "preempt"):  # a relaunch after damage: no fault time
+    trained_at = [e["time"] for e in ev if e["attempt"] == 0 and e["event"] in ("step", "save")]
+    # The time of the fault; an injected crash's: attempt 0's last step or save.
+    fault_at = job.hit.time if job.hit else max(trained_at, default=None)
+    if fault_at and (trial.expected_restarts or kind.relaunch_timed):  # a relaunch after damage: no fault time
         after = [e for e in ev if e["rank"] == 0 and e["event"] == "start" and e["time"] > fault_at]
         trial.resumed_step = after[0]["resumed_from_step"] if after else None
         split = phases(ev, fault_at)
         trial.recovery_s = split.get("total_s")
         for key in ("detect_s", "restart_s", "load_s", "first_step_s", "replayed_steps", "replay_s"):
             setattr(trial, key, split.get(key))
-        if trial.recovery_s and ref.cold.get("total_s"):
-            trial.vs_cold_start = trial.recovery_s / ref.cold["total_s"]
-    expected = ref.digest
-    if kind == "node-lost" and summary:  # the reference's checkpoint of the step resumed from, resumed alike
-        if summary["world_size"] != nproc // 2:
-            trial.problems.append(f"ended at world size {summary['world_size']}, not {nproc // 2}")
-        expected = resumed_reference(strategy, ref, nproc // 2, trial.resumed_step, f"{run_dir}-reference")
-    if kind == "preempt":  # no step lost: the one in progress at the signal was saved, and resumed from
-        done = max((e["step"] for e in ev if e["rank"] == 0 and e["event"] == "step"
-                    and e["time"] < preempted["signalled_at"]), default=0)
-        if not done <= preempted["step"] <= done + 1:
-            trial.problems.append(f"saved step {preempted['step']} for a signal after step {done}")
-        if trial.resumed_step != preempted["step"]:
-            trial.problems.append(f"resumed from step {trial.resumed_step}, not the preempted {preempted['step']}")
-    trial.digest_equal = summary.get("param_digest") == expected
-    if strategy == "rpc-async" and summary:  # arrival order decides its weights: its guarantees instead
-        wrong = async_problems(events(run_dir), summary)
+        cold_s = job.ref.cold.get("total_s")
+        if trial.recovery_s and cold_s:
+            trial.vs_cold_start = trial.recovery_s / cold_s
+
+    trial.problems += kind.checks(job)
+    trial.digest_equal = bool(job.summary) and job.summary.get("param_digest") == kind.expected(job)
+    if trial.strategy == "rpc-async" and job.summary:  # arrival order decides its weights: its guarantees instead
+        wrong = async_problems(events(job.run_dir), job.summary)
         trial.problems += wrong
         trial.async_ok = not wrong
     trial.passed = (trial.fired and trial.recovered and (trial.digest_equal or trial.async_ok) and not trial.bad_loads
                     and trial.kept is not False and not trial.problems)
     if not trial.passed:
-        trial.output_tail = output[-3000:]
+        trial.output_tail = job.output[-3000:]
     return trial
 
 
-def async_problems(events, summary):
+def async_problems(all_events, summary):
     """What breaks rpc/ps.py's async guarantees, from every launch's metrics ([] if nothing): each resume
     loaded the state its checkpoint's save had (weights and optimizer, by the digest the save recorded
     in the checkpoint and, unless killed between its commit and its event, in its save event); the
     final history has every update once; no (trainer, trainer step) was applied twice; none staler than
     the bound."""
-    problems = []
-    saves = [e for e in events if e["rank"] == 0 and e["event"] == "save"]
-    for load in (e for e in events if e["rank"] == 0 and e["event"] == "load"):
+    wrong = []
+    saves = [e for e in all_events if e["rank"] == 0 and e["event"] == "save"]
+    for load in (e for e in all_events if e["rank"] == 0 and e["event"] == "load"):
         saved = [e["digest"] for e in saves if e["step"] == load["step"] and e["time"] < load["time"]]
         if load["digest"] != load["saved_digest"] or saved[-1:] not in ([], [load["digest"]]):
-            problems.append(f"the resume from step {load['step']} loaded another state than its save had")
-    history = final_history(events)
+            wrong.append(f"the resume from step {load['step']} loaded another state than its save had")
+    history = final_history(all_events)
     applied = [(trainer, step) for update in history.values() for trainer, step, _ in update]
     stalest = max((step - 1 - version for step, update in history.items() for _, _, version in update), default=0)
     if sorted(history) != list(range(1, summary["steps"] + 1)):
-        problems.append(f"the final history has updates {sorted(history)}, not 1..{summary['steps']}")
+        wrong.append(f"the final history has updates {sorted(history)}, not 1..{summary['steps']}")
     if len(applied) != len(set(applied)):
-        problems.append(f"{len(applied) - len(set(applied))} gradients applied twice")
+        wrong.append(f"{len(applied) - len(set(applied))} gradients applied twice")
     if stalest > summary["max_staleness"]:
-        problems.append(f"a gradient {stalest} updates stale applied, above --max-staleness {summary['max_staleness']}")
-    return problems
+        wrong.append(f"a gradient {stalest} updates stale applied, above --max-staleness {summary['max_staleness']}")
+    return wrong
 
 
 def reference(strategy, nproc, out):
@@ -470,7 +632,7 @@ def reference(strategy, nproc, out):
     script, extra = STRATEGIES[strategy]
     run_dir = out / f"reference-{strategy}-{nproc}"
     launched = time.time()
-    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra, *KEEP_ALL]), log=f"{run_dir}.log")
+    proc = start(*torchrun(script, nproc, run_dir, [*JOB_FLAGS, *extra, *KEEP_ALL]), log=f"{run_dir}.log")
     code, output, hung = finish(proc, launched + 600)
     wrong = ["no end after 600 s"] if hung else problems(run_dir, code, output, restarts=0)
     if wrong:  # every trial is compared with it: a reference that restarted or crashed proves nothing
@@ -492,7 +654,8 @@ def resumed_reference(strategy, ref, nproc, step, run_dir):
         saved = dict(checkpoints(Path(ref.run_dir) / "ckpt"))[step]
         (run_dir / "ckpt").mkdir(parents=True)
         (shutil.copytree if saved.is_dir() else shutil.copy2)(saved, run_dir / "ckpt" / saved.name)
-    proc = start(*torchrun(script, nproc, run_dir, [*COMMON, *extra, *KEEP_ALL], env=ONE_THREAD), log=f"{run_dir}.log")
+    proc = start(*torchrun(script, nproc, run_dir, [*JOB_FLAGS, *extra, *KEEP_ALL], env=ONE_THREAD),
+                 log=f"{run_dir}.log")
     code, output, hung = finish(proc, time.time() + 600)
     if hung or problems(run_dir, code, output, restarts=0):
         return None
@@ -504,7 +667,7 @@ def drawn_plan(kinds, strategies, rng):
     """(strategy, kind) per trial, without end: first every kind once, in a seeded order, each on the
     applicable strategy with the fewest trials so far; then drawn at random. A trial's draw never
     depends on how many trials follow it."""
-    pairs = [(k, [s for s in strategies if applies(k, s)]) for k in kinds]
+    pairs = [(k, [s for s in strategies if s in FAULTS[k].strategies]) for k in kinds]
     pairs = [(k, ss) for k, ss in pairs if ss]
     used = {s: 0 for s in strategies}
     for kind, choices in rng.sample(pairs, len(pairs)):
@@ -573,7 +736,7 @@ def main(argv=None):
     planned = [tuple(reversed(e.split(":", 1))) for e in args.plan.split(",")] if args.plan else []
     bad = [s for s in strategies + [s for s, _ in planned] if s not in STRATEGIES]
     bad += [k for k in kinds + [k for _, k in planned] if k not in KINDS]
-    bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in KINDS and not applies(k, s)]
+    bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in KINDS and s not in FAULTS[k].strategies]
     if bad:
         p.error(f"unknown or inapplicable: {', '.join(bad)}")
     if args.trials < 1 or args.jobs < 1 or args.ranks < 1 or BATCH % args.ranks:
@@ -590,22 +753,22 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    needed = sorted({(s, processes(s, k, args.ranks)) for s, k in planned})
+    needed = sorted({(s, processes(s, FAULTS[k], args.ranks)) for s, k in planned})
     log(f"references: {', '.join(f'{s} ({n} processes)' for s, n in needed)} ...")
     with ThreadPoolExecutor(args.jobs) as pool:
         references = dict(zip(needed, pool.map(lambda sn: reference(*sn, out), needed)))
 
-        def trial(t):
+        def run_logged(t):
             strategy, kind = planned[t]
             log(f"trial {t}: {strategy}, {kind} ...")
-            r = run_trial(t, strategy, kind, random.Random(f"{args.seed}:{t}"), out,
-                          references[strategy, processes(strategy, kind, args.ranks)], args.ranks)
+            r = run_trial(t, strategy, FAULTS[kind], random.Random(f"{args.seed}:{t}"), out,
+                          references[strategy, processes(strategy, FAULTS[kind], args.ranks)], args.ranks)
             log(f"trial {t}: {strategy}, {kind}: {'ok' if r.passed else 'FAILED'} (fired {r.fired} at step "
                 f"{r.fault_step}, exit {r.exit}, restarts {r.restarts}, recovery "
                 f"{r.recovery_s and round(r.recovery_s, 1)} s)")
             return r
 
-        results = list(pool.map(trial, range(len(planned))))
+        results = list(pool.map(run_logged, range(len(planned))))
     (out / "results.json").write_text(json.dumps({
         "seed": args.seed, "argv": argv, "trials": [dataclasses.asdict(r) for r in results],
         "references": [{"strategy": s, "processes": n, **dataclasses.asdict(ref)} for (s, n), ref in references.items()],
