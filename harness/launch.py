@@ -163,16 +163,20 @@ def preflight(script, world, flags):
     """Check a job's flags once, before torchrun starts workers that would each fail and be retried
     --max-restarts times: exit 2 with one line if the script's check(cfg) finds a problem at world
     size `world`, or if a running job holds the run folder."""
-    os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
     from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
+    outside = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
     module = load_script(script)
     cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
     in_use = run_dir_in_use(cfg.run_dir)
     if in_use:
         fail(in_use, prog=script)
-    del os.environ["WORLD_SIZE"]
+    if outside is None:  # torchrun gets the environment as it was
+        del os.environ["WORLD_SIZE"]
+    else:
+        os.environ["WORLD_SIZE"] = outside
 
 
 def main(argv):
