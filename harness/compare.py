@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO))
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
 from harness.launch import STRATEGIES, column, finish, problems, start, torchrun  # noqa: E402
-from harness.metrics import events, median_or_none, phases, startup_peaks, step_slowdown_while_saving  # noqa: E402
+from harness.metrics import (events, median_or_none, phases, startup_peaks, step_slowdown_while_saving,  # noqa: E402
+                             training_peaks)
 from common.model import PRESETS  # noqa: E402
 
 # The columns of the main table, by their command (harness.launch.STRATEGIES): rpc-async has a table of
@@ -85,6 +86,16 @@ def checkpoint_facts(job):
             "save_total_s": total, "write_bytes_per_s": size / total if total else None}
 
 
+def ratios_to_ddp(rows):
+    """For each column, its model state per rank and its training peak above baseline (the ranks other
+    than 0) over ddp's, when the ddp column was run too: what sharding saves of each."""
+    ddp = rows.get("ddp")
+    for row in rows.values():
+        for key, ratio in (("state_bytes_per_rank", "state_vs_ddp"), ("train_peak_bytes_others", "train_peak_vs_ddp")):
+            if ddp and row.get(key) is not None and ddp.get(key):
+                row[ratio] = row[key] / ddp[key]
+
+
 def blocking_vs_sync(rows):
     """For each async column, its median blocking time over the median total time of the same
     strategy's synchronous saves in the same run (when that column was run too)."""
@@ -124,6 +135,7 @@ def measure(clean, crashed, crash_step, world, strategy):
         "final_loss": clean["summary"]["final_loss"],
     }
     row["startup_peak_bytes_rank0"], row["startup_peak_bytes_others"] = startup_peaks(clean["events"])
+    row["train_peak_bytes_rank0"], row["train_peak_bytes_others"] = training_peaks(clean["events"])
     # Recovery: from the crashed rank's last completed step to the first step after the restart.
     ev = crashed["events"]
     restarted = min(e["time"] for e in ev if e["event"] == "start" and e["restarts"] > 0)
@@ -204,6 +216,7 @@ def main(argv=None):
         row["disk_reference_bytes_per_s"] = disk_reference(out, row["ckpt_bytes"])
         row["write_vs_disk"] = row["write_bytes_per_s"] / row["disk_reference_bytes_per_s"]
     blocking_vs_sync(results["main"])
+    ratios_to_ddp(results["main"])
     import torch
     results["meta"] = {
         "command": "bash run.sh compare " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -229,6 +242,7 @@ MAIN_ROWS = [  # (label, key, format)
     ("world size", "world_size", "{}"), ("roles", "roles", "{}"), ("parameters", "params", "{:,}"),
     ("model state / rank (measured)", "state_bytes_per_rank", "mib"),
     ("model state / rank (theory: 16 B/param, / ranks if sharded)", "state_bytes_theory", "mib"),
+    ("model state / rank, / ddp's", "state_vs_ddp", "{:.2f}"),
     ("peak memory / rank (RSS or CUDA)", "peak_mem_bytes", "mib"),
     ("median step time", "median_step_s", "ms"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
     ("all-reduce time / step", "comm_s_per_step", "ms"),
@@ -241,6 +255,9 @@ MAIN_ROWS = [  # (label, key, format)
     ("step time while a save is in flight / otherwise", "step_slowdown_while_saving", "{:.2f}"),
     ("start-up peak memory above baseline: rank 0", "startup_peak_bytes_rank0", "mib"),
     ("start-up peak memory above baseline: other ranks (max)", "startup_peak_bytes_others", "mib"),
+    ("training peak memory above baseline: rank 0", "train_peak_bytes_rank0", "mib"),
+    ("training peak memory above baseline: other ranks (max)", "train_peak_bytes_others", "mib"),
+    ("training peak above baseline, other ranks, / ddp's", "train_peak_vs_ddp", "{:.2f}"),
     ("load on resume", "load_s", "ms"), ("recovery: crash to first step after restart", "recovery_s", "s"),
     ("recovery: crash to the new workers' launch", "recovery_detect_s", "s"),
     ("recovery: process start (imports, group, model)", "recovery_restart_s", "s"),

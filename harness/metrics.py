@@ -75,6 +75,20 @@ def startup_peaks(events):
     return built.get(0), max((v for r, v in built.items() if r != 0), default=None)
 
 
+def training_peaks(events):
+    """(rank 0, the largest of the other ranks): the peak memory up to the last step (the step events'
+    CUDA or RSS peak: the build's included) above what the process held before building the model (the
+    'built' event's baseline); None where the script writes no such event. On FSDP the ranks other
+    than 0 hold shards only: rank 0 also built the full model on the CPU for the scatter."""
+    baseline = {e["rank"]: e["baseline_bytes"] for e in events if e["event"] == "built"}
+    peak = {}
+    for e in events:
+        if e["event"] == "step" and e["rank"] in baseline:
+            peak[e["rank"]] = max(peak.get(e["rank"], 0), e.get("cuda_peak_bytes") or e.get("rss_peak_bytes") or 0)
+    above = {rank: value - baseline[rank] for rank, value in peak.items()}
+    return above.get(0), max((v for r, v in above.items() if r != 0), default=None)
+
+
 def final_history(events):
     """{step: [[trainer, trainer step, version], ...] it applied} of a parameter server's last run, from rank
     0's metrics of every launch: each start cuts the history back to the step it resumed from."""

@@ -51,11 +51,17 @@ def test_async_save_blocks_the_loop_for_a_fraction_of_a_synchronous_save(results
     assert "blocking_vs_sync" not in sync and sync["save_staging_s"] is None
 
 
-def test_ratios_to_the_disk_and_start_up_memory_are_measured_for_every_column(results):
+def test_ratios_to_the_disk_and_to_ddp_and_memory_are_measured_for_every_column(results):
+    ddp = results["main"]["ddp"]
     for strategy, row in results["main"].items():
         assert row["write_vs_disk"] == row["write_bytes_per_s"] / row["disk_reference_bytes_per_s"] > 0, strategy
         # the 'built' event of each script: rank 0 and the largest of the others
         assert row["startup_peak_bytes_rank0"] >= 0 and row["startup_peak_bytes_others"] >= 0, strategy
+        # the peak up to the last step includes the build's: the memory of training, not only of construction
+        assert row["train_peak_bytes_others"] >= row["startup_peak_bytes_others"], strategy
+        assert row["train_peak_bytes_rank0"] >= row["startup_peak_bytes_rank0"], strategy
+        assert row["state_vs_ddp"] == row["state_bytes_per_rank"] / ddp["state_bytes_per_rank"], strategy
+        assert row["train_peak_vs_ddp"] == row["train_peak_bytes_others"] / ddp["train_peak_bytes_others"], strategy
 
 
 def test_results_record_where_they_were_measured(results):
