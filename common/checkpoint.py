@@ -186,8 +186,10 @@ def writable(folder, create=True):
 def run_dir_problems(run_dir, export=""):
     """['--run-dir: ... is not a writable folder (why)'] if the run folder, its ckpt/ or the folder of
     the file --export names cannot take files, else []."""
-    for flag, folder, create in (("--run-dir", run_dir, True), ("--run-dir", os.path.join(run_dir, "ckpt"), True),
-                                 ("--export", os.path.dirname(os.path.abspath(export or ".")), False)):
+    folders = [("--run-dir", run_dir, True), ("--run-dir", os.path.join(run_dir, "ckpt"), True)]
+    if export:
+        folders.append(("--export", os.path.dirname(os.path.abspath(export)), False))
+    for flag, folder, create in folders:
         why = writable(folder, create)
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]

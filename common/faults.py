@@ -1,8 +1,9 @@
 """Fault injection for the tests and the chaos soak, in one place: each script calls these hooks in
 one line at the point where a fault fires, and nowhere else.
 
-To copy a script without it: delete this file, the lines that say `faults`, and the Config fields
-marked "fault injection". The loop that is left is the plain loop.
+Every hook does nothing unless its flag is set. To copy a script without them, delete the Config
+fields marked "fault injection" (the hooks read a missing field as unset) and rpc's check of them; a
+line that is only a hook (`faults.after_step(step)`, `loss = faults.poison_loss(loss, step)`) can go.
 
 Every fault is tied to a step, never to a time, so it lands in training however fast the machine
 is. Crashes fire only in torchrun's first attempt, so the restarted job runs clean; a NaN loss fires
@@ -24,14 +25,17 @@ def crash(reason):
 
 
 class Faults:
-    """The faults a script's flags ask for (its Config's crash_* and nan_at_step fields), as hooks.
+    """The faults a script's flags ask for (its Config's fields marked "fault injection"), as hooks.
 
     `rank` is this process's rank, `world` the world size (--crash-rank -1 is the last rank), `name`
     how a crash names this process in its one line ("rank 1", "server", "trainer 2")."""
 
     def __init__(self, cfg, rank, world, name=None):
         self.cfg, self.rank, self.name = cfg, rank, name or f"rank {rank}"
-        self.crash_rank = cfg.crash_rank % world
+        self.crash_rank = getattr(cfg, "crash_rank", -1) % world
+
+    def _flag(self, name):
+        return getattr(self.cfg, name, None)  # None: not asked for, or the field deleted with the faults
 
     def _due(self, at, step, previous):
         """`at` falls in (previous, step] on the crash rank, in the first attempt; previous defaults to
@@ -41,28 +45,28 @@ class Faults:
 
     def poison_loss(self, loss, step):
         """--nan-at-step: the loss of step N (the step after `step` completed steps) is NaN."""
-        return loss * float("nan") if self.cfg.nan_at_step == step + 1 else loss
+        return loss * float("nan") if self._flag("nan_at_step") == step + 1 else loss
 
     def after_step(self, step, previous=None):
         """--crash-at-step: the crash rank dies once it has completed step N, before saving it."""
-        if self._due(self.cfg.crash_at_step, step, previous):
+        if self._due(self._flag("crash_at_step"), step, previous):
             crash(f"{self.name} after step {step}")
 
     def leaves(self, step, previous=None):
         """--drop-trainer-at-step (rpc): True where the crash rank should leave silently now."""
-        return self._due(getattr(self.cfg, "drop_trainer_at_step", None), step, previous)
+        return self._due(self._flag("drop_trainer_at_step"), step, previous)
 
     def in_save(self, step, detail=""):
         """--crash-in-save: a `before_commit` hook that kills the saving process once the bytes of step
         N's checkpoint are written but not committed, or None."""
-        if self.cfg.crash_in_save == step and first_attempt():
+        if self._flag("crash_in_save") == step and first_attempt():
             return lambda: crash(f"{self.name} while saving step {step}{detail}")
         return None
 
     def stager(self, options, step):
         """--crash-in-staging (fsdp --async-save): a DCP stager that kills the crash rank in its staging
         thread as it starts copying the shards of step N (the training loop goes on meanwhile), or None."""
-        if not self._due(getattr(self.cfg, "crash_in_staging", None), step, None):
+        if not self._due(self._flag("crash_in_staging"), step, None):
             return None
         from torch.distributed.checkpoint.staging import DefaultStager  # only fsdp needs DCP here
 
@@ -73,4 +77,3 @@ class Faults:
                 crash(f"{name} while staging step {step}: the copy of its shards begun, not finished")
 
         return DyingStager(options)
-

@@ -4,7 +4,7 @@
     bash run.sh ddp 2 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
     bash run.sh ddp 2 --steps 40 --save-every 10 --async-save          # saves written while training goes on
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (see run.sh)
+        --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (README)
     python ddp/train.py                                # one process, no torchrun
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
@@ -76,7 +76,7 @@ class Config:
     bf16: bool = True  # on CUDA: autocast the forward to bf16; weights, gradients and their all-reduce stay fp32 (CPU: fp32)
     async_save: bool = False  # copy each checkpoint to CPU memory (pinned on CUDA), then write it in a background thread while training goes on
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
-    crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
+    crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
@@ -119,7 +119,7 @@ class Run:
     run_dir: Path
     ckpt_dir: Path
     monitor: Monitor
-    faults: Faults  # fault injection, for the tests (common/faults.py)
+    faults: Faults  # the tests' faults, idle unless a fault flag is set (common/faults.py)
     write_pool: Optional[ThreadPoolExecutor]  # --async-save: the one thread that writes rank 0's checkpoints
 
 
@@ -293,7 +293,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = Faults(cfg, rank, world)  # fault injection, for the tests (common/faults.py)
+        faults = Faults(cfg, rank, world)  # the tests' faults, idle unless a fault flag is set (common/faults.py)
         write_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save
                       else None)
         run = Run(cfg, rank, world, device, run_dir, ckpt_dir, monitor, faults, write_pool)

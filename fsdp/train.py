@@ -5,7 +5,7 @@ every rank, auto-resume at the same or another world size, and optional async sa
     bash run.sh fsdp 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
     bash run.sh fsdp 2 --steps 40 --save-every 10 --async-save         # saves overlap training
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint localhost:0 fsdp/train.py      # the variable makes restarts reliable (see run.sh)
+        --rdzv-endpoint localhost:0 fsdp/train.py      # the variable makes restarts reliable (README)
     python fsdp/train.py --export model.pt             # one process; write the final weights as one file
 
 Each rank holds 1/world of the parameters, gradients and optimizer state (fully_shard per block,
@@ -90,7 +90,7 @@ class Config:
     compile: bool = False  # torch.compile each block before sharding it (as torchtitan does); the first steps compile
     export: str = ""  # at the end, torch.save the full model state dict to this file (for common.model.Transformer)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
-    crash_rank: int = -1  # the rank that --crash-at-step kills (-1: the last rank)
+    crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
     crash_in_staging: Optional[int] = None  # fault injection: --crash-rank dies while the async save of step N copies its shards
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
@@ -289,7 +289,7 @@ def load_newest(candidates, model, optimizer, device, monitor):
     return None, None, None, unreadable
 
 
-def resume(cfg, ckpt_dir, model, optimizer, device, monitor):
+def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
     """Load the newest checkpoint of `ckpt_dir` that loads on every rank and fits `cfg`, and restore
     train.pt's step and RNG states; else start fresh. Returns (step, the step resumed from or None)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -315,7 +315,7 @@ def resume(cfg, ckpt_dir, model, optimizer, device, monitor):
             print0(f"resharded from {train_pt['world_size']} to {world} ranks")
             monitor.event("reshard", step=step, from_world_size=train_pt["world_size"], world_size=world)
         for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
-            group["fused"] = optimizer.defaults["fused"]
+            group["fused"] = fused
         monitor.event("load", step=step, load_s=load_s, path=str(path))
         print0(f"resuming from step {step}")
     else:
@@ -364,7 +364,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = Faults(cfg, rank, world)  # fault injection, for the tests (common/faults.py)
+        faults = Faults(cfg, rank, world)  # the tests' faults, idle unless a fault flag is set (common/faults.py)
         # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
         # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
@@ -390,7 +390,7 @@ def main(cfg):
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        step, resumed_from = resume(cfg, ckpt_dir, model, optimizer, device, monitor)
+        step, resumed_from = resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor)
         monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
                       world_size=world)
 

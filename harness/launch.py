@@ -184,12 +184,12 @@ def main(argv):
     docstring above); run.sh has checked NPROC and NNODES."""
     checked = argv[:1] == ["--preflight"]
     script, nproc, *flags = argv[1:] if checked else argv
-    nnodes = os.environ.get("NNODES", "1")
+    nnodes = os.environ.get("NNODES") or "1"
     if checked:  # an elastic job is checked at its largest world size (MAX nodes)
         preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags)
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
-                        max_restarts=int(os.environ.get("MAX_RESTARTS", "3")),
-                        endpoint=os.environ.get("RDZV_ENDPOINT", "localhost:0"),
+                        max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),
+                        endpoint=os.environ.get("RDZV_ENDPOINT") or "localhost:0",
                         rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
                         rdzv_conf=os.environ.get("RDZV_CONF"))
     os.execvpe(cmd[0], cmd, env)

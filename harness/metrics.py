@@ -1,6 +1,6 @@
 """Reading what common/monitor.py writes: every rank's metrics-rank<r>.jsonl, and the figures the
 runners, the chaos soak and the tests take from it (recovery phases, a parameter server's history,
-step times while a save is in flight, start-up memory)."""
+step times while a save is in flight, memory at start-up and in training)."""
 import json
 import statistics
 from pathlib import Path
@@ -79,7 +79,9 @@ def training_peaks(events):
     """(rank 0, the largest of the other ranks): the peak memory up to the last step (the step events'
     CUDA or RSS peak: the build's included) above what the process held before building the model (the
     'built' event's baseline); None where the script writes no such event. On FSDP the ranks other
-    than 0 hold shards only: rank 0 also built the full model on the CPU for the scatter."""
+    than 0 hold shards only: rank 0 also built the full model on the CPU for the scatter. On CPU the
+    step events' peak is ru_maxrss, which Linux carries over an exec: it also counts the forked torchrun
+    agent's RSS, below a worker's baseline once torch and the model are loaded."""
     baseline = {e["rank"]: e["baseline_bytes"] for e in events if e["event"] == "built"}
     peak = {}
     for e in events:

@@ -6,7 +6,7 @@ sync and async, are in rpc/server.py: copy it with this script.
     bash run.sh rpc 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
     bash run.sh rpc 4 --drop-trainer-at-step 10 --straggler-timeout 5  # see a lost trainer dropped
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint localhost:0 rpc/ps.py         # the variable: see run.sh (restarts rendezvous reliably)
+        --rdzv-endpoint localhost:0 rpc/ps.py         # the variable makes restarts reliable (README)
 
 Rank 0 holds the model and the optimizer. Each trainer pulls the weights, computes gradients on
 its part of the step's batch and pushes them with rpc_async. In sync mode (the default), once
@@ -92,7 +92,7 @@ class Config:
     timeout_s: int = 300  # RPC timeout: a hung server fails the trainers' calls; no gradient at all fails the server
     straggler_timeout: float = 30.0  # seconds the server waits for a missing trainer before it goes on without it
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
-    crash_rank: int = -1  # the rank that --crash-at-step kills or --drop-trainer-at-step drops (-1: the last rank)
+    crash_rank: int = -1  # fault injection: the rank --crash-at-step kills, --drop-trainer-at-step drops (-1: the last)
     crash_in_save: Optional[int] = None  # fault injection: the server dies mid-write of step N's checkpoint
     drop_trainer_at_step: Optional[int] = None  # fault injection: trainer --crash-rank leaves silently at step N
     nan_at_step: Optional[int] = None  # fault injection: a NaN loss at update N (async: trainer step N), every attempt
@@ -147,7 +147,7 @@ def state_digest(model, optimizer):
 
 def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
     """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones.
-    `before_commit`: a hook run once the bytes are written, before the commit (fault injection)."""
+    `before_commit`: a hook run once the bytes are written, before the commit (the tests' faults)."""
     t0 = time.perf_counter()
     model, optimizer, cfg = server.model, server.optimizer, server.cfg
     digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
