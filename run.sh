@@ -111,10 +111,22 @@ esac
 nproc=${1:-}
 [[ $nproc =~ ^[1-9][0-9]*$ ]] || usage
 shift
+# The launch settings, each checked here in one line: torchrun would answer a bad one with a usage
+# dump, a traceback, or (several nodes on the default endpoint) a silent wait.
+bad() { echo "run.sh: $*" >&2; exit 2; }
 nnodes=${NNODES:-1}  # N, or MIN:MAX for an elastic job
-if ! [[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
-  echo "run.sh: NNODES must be a number of nodes or MIN:MAX, got '$nnodes'" >&2
-  exit 2
+[[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || bad "NNODES must be a number of nodes or MIN:MAX, got '$nnodes'"
+[[ $nnodes != *:* ]] || (( ${nnodes%:*} <= ${nnodes#*:} )) || bad "NNODES=$nnodes: MIN must not exceed MAX"
+[[ ${MAX_RESTARTS:-3} =~ ^[0-9]+$ ]] || bad "MAX_RESTARTS must be a whole number, got '$MAX_RESTARTS'"
+if [ -n "${NODE_RANK:-}" ]; then
+  [[ $NODE_RANK =~ ^[0-9]+$ ]] && (( NODE_RANK < ${nnodes#*:} )) ||
+    bad "NODE_RANK must be a number below the nodes' count (${nnodes#*:}), got '$NODE_RANK'"
+fi
+if [ -n "${RDZV_ENDPOINT:-}" ]; then
+  [[ $RDZV_ENDPOINT =~ ^[^:]+:[0-9]+$ ]] && (( ${RDZV_ENDPOINT##*:} <= 65535 )) ||
+    bad "RDZV_ENDPOINT must be host:port (a port up to 65535), got '$RDZV_ENDPOINT'"
+elif [ "${nnodes#*:}" != 1 ]; then
+  bad "NNODES=$nnodes needs RDZV_ENDPOINT, the host:port of the first node, the same on every node"
 fi
 python_with "${TRAIN[@]}"
 # The flags checked once (for an elastic job at MAX nodes), then torchrun with the settings that make

@@ -4,6 +4,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -45,8 +47,24 @@ def test_run_sh_uses_an_installed_torch_and_installs_only_what_a_mode_lacks(tmp_
 def test_run_sh_checks_an_elastic_job_at_its_largest_world_size(tmp_path):
     # NNODES=MIN:MAX: the flags are checked for MAX nodes (here 2 x 2 ranks), before torchrun starts.
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "fsdp", "2", "--run-dir", str(tmp_path), "--batch-size", "6"],
-                          cwd=REPO, env={**os.environ, "NNODES": "1:2"}, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "does not split evenly over 4 ranks" in proc.stderr, proc.stderr
-    proc = subprocess.run(["bash", str(REPO / "run.sh"), "fsdp", "2"], cwd=REPO, env={**os.environ, "NNODES": "two"},
+                          cwd=REPO, env={**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": "localhost:29400"},
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr == "run.sh: NNODES must be a number of nodes or MIN:MAX, got 'two'\n"
+    assert proc.returncode == 2 and "does not split evenly over 4 ranks" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"NNODES": "two"}, "NNODES must be a number of nodes or MIN:MAX, got 'two'"),
+    ({"NNODES": "3:1"}, "NNODES=3:1: MIN must not exceed MAX"),
+    ({"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT, the host:port of the first node, the same on every node"),
+    ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS must be a whole number, got 'abc'"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "NODE_RANK": "x"},
+     "NODE_RANK must be a number below the nodes' count (2), got 'x'"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "NODE_RANK": "2"},
+     "NODE_RANK must be a number below the nodes' count (2), got '2'"),
+    ({"RDZV_ENDPOINT": "localhost:99999"}, "RDZV_ENDPOINT must be host:port (a port up to 65535), got 'localhost:99999'"),
+])
+def test_a_bad_launch_setting_is_one_line_before_anything_starts(env, line):
+    # Checked by run.sh before any python starts: torchrun would print its usage, a traceback, or wait.
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2"], cwd=REPO, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr == f"run.sh: {line}\n"
