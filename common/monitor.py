@@ -5,6 +5,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -85,6 +86,16 @@ def bf16_peak(gpu_name):
 
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def training_summary(device, step_times, tokens_per_step, flops_per_step, **fields):
+    """summary.json of ddp and fsdp: the job's outcome (`fields`), then its median step time, tokens/s
+    and MFU, the device and its peak memory."""
+    median_s = statistics.median(step_times) if step_times else None
+    return {**fields, "median_step_s": median_s,
+            "tokens_per_s": tokens_per_step / median_s if step_times else None,
+            "mfu": mfu(flops_per_step, median_s, device) if step_times else None,
+            "device": device_name(device), **memory(device)}
 
 
 def mfu(flops, seconds, device):

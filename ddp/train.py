@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,8 +40,8 @@ from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, p
                          set_collective_timeout, setup, teardown)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import (CommTimer, Monitor, device_name, memory, mfu, peak_flops_problems, peak_since_reset,
-                            reset_peak, state_bytes)
+from common.monitor import (CommTimer, Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
+                            training_summary)
 
 
 # ----------------------------------------------------------------------------- config
@@ -111,12 +110,11 @@ FORMAT = 2
 
 @dataclass
 class Run:
-    """What the checkpoint and the summary need of this job, fixed from setup to teardown."""
+    """What the checkpoint needs of this job, fixed from setup to teardown."""
     cfg: Config
     rank: int
     world: int
     device: torch.device
-    run_dir: Path
     ckpt_dir: Path
     monitor: Monitor
     faults: Faults  # the tests' faults, idle unless a fault flag is set (common/faults.py)
@@ -262,24 +260,6 @@ def resume(run, model, optimizer, fused):
     return step, step
 
 
-# ----------------------------------------------------------------------------- summary
-def write_summary(run, model, optimizer, step, final_loss, resumed_from, step_times, tokens_per_step, flops_per_step):
-    """Rank 0: the job's outcome in summary.json (what the tests and the harness compare), and its last line."""
-    median_s = statistics.median(step_times) if step_times else None
-    summary = {
-        "strategy": "ddp", "world_size": run.world, "steps": step, "final_loss": final_loss,
-        "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed_from, "restarts": restarts(),
-        "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
-        "median_step_s": median_s,
-        "tokens_per_s": tokens_per_step / median_s if step_times else None,
-        "mfu": mfu(flops_per_step, median_s, run.device) if step_times else None,
-        "device": device_name(run.device), **memory(run.device),
-        "async_save": run.cfg.async_save,
-    }
-    atomic_write_json(summary, run.run_dir / "summary.json")
-    print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
-
-
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     rank, world, device = setup(cfg.device, cfg.timeout_s)
@@ -296,7 +276,7 @@ def main(cfg):
         faults = Faults(cfg, rank, world)  # the tests' faults, idle unless a fault flag is set (common/faults.py)
         write_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save
                       else None)
-        run = Run(cfg, rank, world, device, run_dir, ckpt_dir, monitor, faults, write_pool)
+        run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, write_pool)
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -386,8 +366,13 @@ def main(cfg):
         if write_pool:
             write_pool.shutdown()
         if rank == 0:
-            write_summary(run, model, optimizer, step, mean_loss if step_times else None, resumed_from, step_times,
-                          tokens_per_step, flops_per_step)
+            summary = training_summary(
+                device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
+                final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
+                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
+                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save)
+            atomic_write_json(summary, run_dir / "summary.json")
+            print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()
     finally:
         teardown()

@@ -1,8 +1,8 @@
-"""How fsdp/train.py writes a DCP checkpoint, synchronously or while training goes on: the writer
-that commits a folder (train.pt, then DCP's `.metadata`), the record of a save in flight and its
-waits, and the staging options.
+"""How fsdp/train.py writes and reads a DCP checkpoint: the writer that commits a folder (train.pt,
+then DCP's `.metadata`), the record of a save in flight (synchronous or while training goes on) and
+its waits, the staging options, and the load that every rank agrees on, with its fallback.
 
-What a checkpoint holds, how a save is made durable and pruned, and how a checkpoint is loaded, is in
+What a checkpoint holds, how a save is made durable and pruned, and what a resume restores, is in
 fsdp/train.py's checkpoint section (`save`, `finish_save`, `resume`).
 """
 import time
@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.torch_version import TorchVersion
 
 from common.checkpoint import atomic_save
 from common.config import fail
+from common.dist import agree, print0
 
 # The layout of a ckpt/step-NNNNNNNN/ folder (Writer writes it): DCP's shards of "model" and
 # "optimizer", train.pt (format, step, world size, config, every rank's RNG), `.metadata` last. A load
@@ -131,3 +133,49 @@ def save_failed(step, error):
     checkpoints of earlier steps stay the ones a restart loads."""
     reason = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
     fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
+
+
+# ----------------------------------------------------------------------------- load
+def load_checkpoint(path, model, optimizer, device):
+    """Load the checkpoint folder `path` into the live model and optimizer on every rank.
+
+    Returns (train_pt, error): train_pt is train.pt's record if every rank loaded the whole checkpoint,
+    else None, with this rank's error if it had one. A failed DCP load may have written part of the
+    live tensors; the load that succeeds later overwrites them all."""
+    train_pt, error = None, None
+    try:
+        train_pt = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        error = e
+    if agree(error is None, device):
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
+            error = e
+        if agree(error is None, device):
+            return train_pt, None
+    return None, error
+
+
+def load_newest_everywhere(candidates, model, optimizer, device, monitor):
+    """Load the newest of `candidates` that loads on every rank. Each is tried twice (a read can fail
+    for a moment on a network filesystem, or run out of memory), then the ranks move on together.
+    Returns (path, its train.pt record, seconds to load, the candidates that did not load)."""
+    unreadable = []
+    for path in candidates:
+        for attempt in (1, 2):
+            t0 = time.perf_counter()
+            train_pt, error = load_checkpoint(path, model, optimizer, device)
+            if train_pt is not None:
+                return path, train_pt, time.perf_counter() - t0, unreadable
+            if error is not None:
+                reason = str(error).strip().splitlines()[-1][:160]  # DCP's message ends with the root cause
+                print(f"rank {dist.get_rank()}: checkpoint {path} unreadable ({type(error).__name__}: {reason})",
+                      flush=True)
+            print0(f"checkpoint {path.name} did not load on every rank: "
+                   + ("trying once more" if attempt == 1 else "falling back to the previous one"))
+        monitor.event("fallback", path=str(path), error=repr(error)[:300] if error else None)
+        unreadable.append(path)
+    return None, None, None, unreadable

@@ -20,7 +20,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -35,8 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -45,13 +43,14 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, fsyn
                                run_dir_problems, seed_rng, set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
 from common.data import StepData
-from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
-                         set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, exit_without_finalizing, print0, restarts, set_collective_timeout,
+                         setup, teardown)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
-from common.monitor import (Monitor, device_name, memory, mfu, peak_flops_problems, peak_since_reset, reset_peak,
-                            state_bytes)
-from fsdp.saving import FORMAT, REUSE_STAGER, ShardedSave, Writer, describe_staging, save_failed, staging_options
+from common.monitor import (Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
+                            training_summary)
+from fsdp.saving import (FORMAT, REUSE_STAGER, ShardedSave, Writer, describe_staging, load_newest_everywhere,
+                         save_failed, staging_options)
 
 
 # ----------------------------------------------------------------------------- config
@@ -244,51 +243,6 @@ def finish_save(run, record, in_loop=True):
            + f" total {total_s * 1000:.0f} ms)")
 
 
-def load_checkpoint(path, model, optimizer, device):
-    """Load the checkpoint folder `path` into the live model and optimizer on every rank.
-
-    Returns (train_pt, error): train_pt is train.pt's record if every rank loaded the whole checkpoint,
-    else None, with this rank's error if it had one. A failed DCP load may have written part of the
-    live tensors; the load that succeeds later overwrites them all."""
-    train_pt, error = None, None
-    try:
-        train_pt = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
-    except Exception as e:
-        error = e
-    if agree(error is None, device):
-        try:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-        except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
-            error = e
-        if agree(error is None, device):
-            return train_pt, None
-    return None, error
-
-
-def load_newest(candidates, model, optimizer, device, monitor):
-    """Load the newest of `candidates` that loads on every rank. Each is tried twice (a read can fail
-    for a moment on a network filesystem, or run out of memory), then the ranks move on together.
-    Returns (path, its train.pt record, seconds to load, the candidates that did not load)."""
-    unreadable = []
-    for path in candidates:
-        for attempt in (1, 2):
-            t0 = time.perf_counter()
-            train_pt, error = load_checkpoint(path, model, optimizer, device)
-            if train_pt is not None:
-                return path, train_pt, time.perf_counter() - t0, unreadable
-            if error is not None:
-                reason = str(error).strip().splitlines()[-1][:160]  # DCP's message ends with the root cause
-                print(f"rank {dist.get_rank()}: checkpoint {path} unreadable ({type(error).__name__}: {reason})",
-                      flush=True)
-            print0(f"checkpoint {path.name} did not load on every rank: "
-                   + ("trying once more" if attempt == 1 else "falling back to the previous one"))
-        monitor.event("fallback", path=str(path), error=repr(error)[:300] if error else None)
-        unreadable.append(path)
-    return None, None, None, unreadable
-
-
 def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
     """Load the newest checkpoint of `ckpt_dir` that loads on every rank and fits `cfg`, and restore
     train.pt's step and RNG states; else start fresh. Returns (step, the step resumed from or None)."""
@@ -297,7 +251,7 @@ def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
     # turn and move on together, so they never load different steps.
     candidates = [[path for _, path in checkpoints(ckpt_dir)] if rank == 0 else None]
     dist.broadcast_object_list(candidates, src=0)
-    path, train_pt, load_s, unreadable = load_newest(candidates[0], model, optimizer, device, monitor)
+    path, train_pt, load_s, unreadable = load_newest_everywhere(candidates[0], model, optimizer, device, monitor)
     step, resumed_from = 0, None
     if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load
         fail(f"no checkpoint in {ckpt_dir} loads (see above); move the damaged ones away or use another --run-dir")
@@ -330,25 +284,6 @@ def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
             remove(p)
             print(f"removed {p.name} (never committed)", flush=True)
     return step, resumed_from
-
-
-# ----------------------------------------------------------------------------- summary
-def write_summary(run, run_dir, model, optimizer, full_state, step, final_loss, resumed_from, step_times,
-                  tokens_per_step, flops_per_step):
-    """Rank 0: the job's outcome in summary.json (what the tests and the harness compare), and its last line.
-    `full_state` is the unsharded model state dict, whose digest is comparable with DDP's."""
-    median_s = statistics.median(step_times) if step_times else None
-    summary = {
-        "strategy": "fsdp", "world_size": run.world, "steps": step, "final_loss": final_loss,
-        "param_digest": param_digest(full_state), "resumed_from_step": resumed_from, "restarts": restarts(),
-        "params": num_params(model), "state_bytes_per_rank": state_bytes(model, optimizer),
-        "median_step_s": median_s,
-        "tokens_per_s": tokens_per_step / median_s if step_times else None,
-        "mfu": mfu(flops_per_step, median_s, run.device) if step_times else None,
-        "device": device_name(run.device), **memory(run.device), "async_save": run.cfg.async_save,
-    }
-    atomic_write_json(summary, run_dir / "summary.json")
-    print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
 
 
 def main(cfg):
@@ -458,8 +393,13 @@ def main(cfg):
             if cfg.export:
                 atomic_save(full_state, cfg.export)
                 print(f"exported the model state dict to {cfg.export}", flush=True)
-            write_summary(run, run_dir, model, optimizer, full_state, step, mean_loss if step_times else None,
-                          resumed_from, step_times, tokens_per_step, flops_per_step)
+            summary = training_summary(
+                device, step_times, tokens_per_step, flops_per_step, strategy="fsdp", world_size=world, steps=step,
+                final_loss=mean_loss if step_times else None, param_digest=param_digest(full_state),
+                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
+                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save)
+            atomic_write_json(summary, run_dir / "summary.json")
+            print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()
     finally:
         teardown()
