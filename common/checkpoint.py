@@ -1,6 +1,7 @@
 """Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup,
-keep-last-K, moving unreadable checkpoints aside, the run folder (its lock, and the check that it is
-writable), the settings check on resume, RNG capture, and the parameter digest.
+keep-last-K, moving unreadable checkpoints aside, the run folder (its lock, the check that it is
+writable, and the check that no one else could have written its checkpoints), the settings check on
+resume, RNG capture, and the parameter digest.
 
 What a checkpoint contains, its format version, and how it is restored stay in each script.
 
@@ -11,13 +12,16 @@ as `step-NNNNNNNN*.unreadable-<time>`) is never loaded.
 """
 import dataclasses
 import fcntl
+import grp
 import hashlib
 import json
 import os
+import pwd
 import random
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -194,6 +198,69 @@ def run_dir_problems(run_dir, export=""):
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]
     return []
+
+
+def ownership_problems(run_dir):
+    """['--run-dir: ...'] (one line, the first problem and how many more) if another user could have
+    written what a resume loads, else []. Loading a checkpoint unpickles it, so, as ssh treats a key
+    file, the run folder, its ckpt/, each checkpoint there (step-NNNNNNNN.pt, step-NNNNNNNN/) and each
+    file of a checkpoint folder must belong to this user (or root) and not be writable by group or
+    others; a checkpoint is never a symbolic link. A user private group (see _private_group) may write.
+    What does not exist yet (a fresh run) is fine."""
+    run_dir, ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
+    entries = [p for p in _listing(ckpt_dir) if _NAME.match(p.name)]
+    inside = [f for p in entries if not p.is_symlink() for f in _listing(p)]
+    # The run folder and ckpt/ are where the user pointed, through a link or not: their targets count.
+    found = [why for path, follow in [(run_dir, True), (ckpt_dir, True), *((p, False) for p in entries + inside)]
+             if (why := _written_by_others(path, follow))]
+    if not found:
+        return []
+    more = f" (and {len(found) - 1} more like it)" if len(found) > 1 else ""
+    return [f"--run-dir: {found[0]}{more}; only checkpoints this user wrote are loaded"]
+
+
+def _listing(folder):
+    """The entries of `folder`, sorted; [] if it is not a folder or is gone (a job running there prunes)."""
+    try:
+        return sorted(Path(folder).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _written_by_others(path, follow):
+    """Why another user could have written `path` (see ownership_problems), or None; None if it is gone."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link: move it away, or put what it points to in its place"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to {_user(st.st_uid)}, not to {_user(os.geteuid())} who runs this job"
+    writers = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
+               if st.st_mode & bit and not (who == "group" and _private_group(st.st_gid))]
+    if writers:
+        return (f"{path} is writable by {' and '.join(writers)} ({stat.filemode(st.st_mode)}): "
+                f"chmod -R go-w {path}")
+    return None
+
+
+def _user(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _private_group(gid):
+    """True if `gid` is this user's own group (named after the user, its primary group, no other member),
+    as with umask 002 on Debian and Ubuntu: its write permission lets no one else in (Debian's ssh
+    admits it so)."""
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
 def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):

@@ -1,25 +1,32 @@
 """How fsdp/train.py writes and reads a DCP checkpoint: the writer that commits a folder (train.pt,
 then DCP's `.metadata`), the record of a save in flight (synchronous or while training goes on) and
-its waits, the staging options, and the load that every rank agrees on, with its fallback.
+its waits, the staging options, the reader that unpickles only what DCP writes, and the load that
+every rank agrees on, with its fallback.
 
 What a checkpoint holds, how a save is made durable and pruned, and what a resume restores, is in
 fsdp/train.py's checkpoint section (`save`, `finish_save`, `resume`).
 """
+import pickle
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.torch_version import TorchVersion
 
-from common.checkpoint import atomic_save
+from common.checkpoint import COMMIT_MARKER, atomic_save
 from common.config import fail
 from common.dist import agree, print0
 
@@ -135,22 +142,102 @@ def save_failed(step, error):
     fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
 
 
+# ----------------------------------------------------------------------------- what a load unpickles
+# DCP's own reader unpickles `.metadata` with pickle.load, and its planner each non-tensor item with
+# torch.load(weights_only=False): a step folder that someone else put in ckpt/ would run its code on
+# every rank. Reader and Planner admit only what DCP writes for this project's state.
+
+# The globals a `.metadata` pickle of this project names (listed from its checkpoints, torch 2.14, 1 and 2
+# ranks, sync and async), by the module and name the pickle gives: DCP's metadata classes, the file
+# reader's _StorageInfo, torch.Size, the function that names a layout, the checkpoint's path (from
+# `pathlib._local` on Python 3.13), and torch's dtypes, layouts and memory formats, which are plain values.
+METADATA_GLOBALS = {
+    **{(cls.__module__, cls.__qualname__): cls
+       for cls in (Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata,
+                   ChunkStorageMetadata, TensorProperties, _MEM_FORMAT_ENCODING, _StorageInfo)},
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{(module, "PosixPath"): PosixPath for module in ("pathlib", "pathlib._local")},
+    **{("torch", name): value for name, value in vars(torch).items()
+       if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler that refuses any global not in METADATA_GLOBALS, naming it and the file `name`:
+    every object a pickle builds or function it calls goes through find_class, so none runs."""
+
+    def __init__(self, file, name):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module, name):
+        try:
+            return METADATA_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refused {module}.{name} in {self.name}: "
+                                         "not one of the classes DCP's metadata holds") from None
+
+
+class Reader(dcp.FileSystemReader):
+    """DCP's file reader, reading `.metadata` through MetadataUnpickler; the metadata must name only files
+    of its own folder. The Writer writes one `.metadata` (rank 0, at the commit), never a rank's own
+    `__<rank>.metadata`, so the `rank` that DCP passes to fall back to one is not read (torch 2.14's
+    signature: `*args, **kwargs`)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / COMMIT_MARKER
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f, path).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata")
+        outside = [i.relative_path for i in metadata.storage_data.values()
+                   if Path(i.relative_path).name != i.relative_path]
+        if outside:
+            raise pickle.UnpicklingError(f"{path} names {outside[0]!r}, a file outside its folder")
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's reader does: its logs name the load
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class Planner(dcp.DefaultLoadPlanner):
+    """DCP's load planner, unpickling each non-tensor item (here the optimizer's param_groups: numbers,
+    bools, None, strings, tuples) with torch.load(weights_only=True); DCP's reader loads tensors so
+    already. A refusal is one line: torch's own message is a page that suggests weights_only=False."""
+
+    def load_bytes(self, read_item, value):
+        try:
+            item = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            why = next((line.split("error: ", 1)[-1].split(". ")[0] for line in str(e).splitlines()
+                        if "WeightsUnpickler error:" in line), "not a weights-only pickle")
+            raise pickle.UnpicklingError(f"refused the item {read_item.dest_index.fqn} ({why})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = item
+
+
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(path, model, optimizer, device):
     """Load the checkpoint folder `path` into the live model and optimizer on every rank.
 
     Returns (train_pt, error): train_pt is train.pt's record if every rank loaded the whole checkpoint,
-    else None, with this rank's error if it had one. A failed DCP load may have written part of the
-    live tensors; the load that succeeds later overwrites them all."""
-    train_pt, error = None, None
+    else None, with this rank's error if it had one. `.metadata` is read once before DCP's load: a
+    refusal is then this rank's one-line error (inside the load, DCP logs it with a traceback first). A
+    failed DCP load may have written part of the live tensors; the load that succeeds later overwrites
+    them all."""
+    train_pt, error, reader = None, None, Reader(path)
     try:
         train_pt = torch.load(path / "train.pt", map_location="cpu", weights_only=True)
+        reader.read_metadata()
     except Exception as e:
         error = e
     if agree(error is None, device):
         try:
             model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+            dcp.load({"model": model_state, "optimizer": optim_state}, storage_reader=reader, planner=Planner())
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         except (Exception, CheckpointException) as e:  # DCP's own error is not an Exception
             error = e
