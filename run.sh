@@ -3,7 +3,7 @@
 #
 #   bash run.sh ddp|fsdp|rpc NPROC [script flags]   train under torchrun, restarting failed workers
 #   bash run.sh test [pytest args]                  the test suite (CPU, gloo, real torchrun)
-#   bash run.sh compat [pytest args]                the FSDP + DCP + async-save tests on the oldest torch
+#   bash run.sh compat [pytest args]                the tests of torch internals (FSDP, DCP) on the oldest torch
 #                                                   requirements.txt claims (TORCH_VERSION=X.Y.Z: another)
 #   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
 #   bash run.sh chaos [--trials N] [--seed S]        random faults, each job checked against its reference
@@ -20,13 +20,13 @@ usage() {
 }
 
 # Training imports torch (FSDP2's fully_shard, DCP's async staging) and numpy; the test, compare and
-# chaos modes also need tabulate, pytest, pyyaml and matplotlib. The import that shows each one is there:
+# chaos modes also need tabulate, pytest and matplotlib. The import that shows each one is there:
 declare -A CHECK=(
   [torch]="from torch.distributed.fsdp import fully_shard; from torch.distributed.checkpoint.staging import DefaultStager"
-  [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest" [pyyaml]="import yaml"
+  [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest"
   [matplotlib]="import matplotlib")
 TRAIN=(torch numpy)
-TEST=(torch numpy tabulate pytest pyyaml matplotlib)
+TEST=(torch numpy tabulate pytest matplotlib)
 
 # missing PYTHON PACKAGE...: prints the packages that PYTHON cannot import (all of them if it does not run).
 missing() {
@@ -66,7 +66,8 @@ python_with() {
   PY=.venv/bin/python
 }
 
-# compat [PYTEST ARGS]: the FSDP + DCP + async-save tests (tests/test_fsdp.py, or PYTEST ARGS instead) on
+# compat [PYTEST ARGS]: the tests of what leans on torch's internals (FSDP2, DCP, async save, the memory
+# tier, DCP's metadata reader: test_fsdp, test_snapshot, test_untrusted; or PYTEST ARGS instead) on
 # another torch: TORCH_VERSION, else the oldest requirements.txt claims. It runs in .venv-torch-VERSION,
 # made once, which holds that torch alone (1.2 GB). The rest of requirements.txt it takes from the python
 # that `run.sh test` uses, through a .pth; so do the CUDA libraries that PyPI's Linux build of torch loads
@@ -77,7 +78,7 @@ compat() {
   [ -n "$version" ] || { echo "run.sh: no torch>=X.Y line in requirements.txt: set TORCH_VERSION" >&2; exit 2; }
   [[ $version =~ ^[0-9]+(\.[0-9]+)*$ ]] || { echo "run.sh: TORCH_VERSION must be a version, got '$version'" >&2; exit 2; }
   local venv=.venv-torch-$version pip
-  if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, yaml, matplotlib" &>/dev/null; then
+  if ! "$venv/bin/python" -c "import torch, numpy, tabulate, pytest, matplotlib" &>/dev/null; then
     python_with "${TEST[@]}"
     echo "run.sh: installing torch==$version into $venv (once), the rest shared with $PY" >&2
     rm -rf "$venv"
@@ -90,7 +91,8 @@ compat() {
       "${pip[@]}" "torch==$version"
     fi
   fi
-  [ $# -gt 0 ] || set -- tests/test_fsdp.py  # FSDP2 end to end: DCP save, async save, resume, reshard
+  # FSDP2 end to end (DCP save, async save, resume, reshard), the memory tier, the DCP reader that refuses pickles
+  [ $# -gt 0 ] || set -- tests/test_fsdp.py tests/test_snapshot.py tests/test_untrusted.py
   echo "run.sh: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): pytest ${*@Q}" >&2
   exec "$venv/bin/python" -m pytest "$@"
 }

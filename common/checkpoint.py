@@ -231,7 +231,7 @@ def _written_by_others(path, follow):
     """Why another user could have written `path` (see ownership_problems), or None; None if it is gone."""
     try:
         st = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # run_dir_problems names a run folder that cannot be
         return None
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a symbolic link: move it away, or put what it points to in its place"

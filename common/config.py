@@ -77,6 +77,7 @@ RANGES = {
     "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": POSITIVE, "hang_timeout_s": POSITIVE,
     "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
     "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
+    "snapshot_every": NON_NEGATIVE, "crash_in_snapshot": POSITIVE,
     "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE,
     "slow_factor": AT_LEAST_ONE,
 }
@@ -102,13 +103,6 @@ def flag_problems(cfg, data_ranks):
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                         f"{data_ranks} ranks; it is kept fixed across world sizes so that a resume sees the "
                         f"same samples: pick a multiple of {data_ranks}")
-    if cfg.data and not os.path.isfile(cfg.data):
-        problems.append(f"--data {cfg.data}: no such file")
-    elif cfg.data and cfg.vocab != 256:
-        problems.append(f"--data trains on bytes: it needs --vocab 256, got {cfg.vocab}")
-    elif cfg.data and os.path.getsize(cfg.data) < cfg.seq_len + 2:
-        problems.append(f"--data {cfg.data} has {os.path.getsize(cfg.data)} bytes, fewer than one sequence "
-                        f"(--seq-len {cfg.seq_len} + 2)")
     return problems
 
 

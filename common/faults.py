@@ -63,6 +63,13 @@ class Faults:
             return lambda: crash(f"{self.name} while saving step {step}{detail}")
         return None
 
+    def in_snapshot(self, step):
+        """--crash-in-snapshot: a hook that kills the crash rank halfway through copying step N's memory
+        snapshot, before its record is written, or None."""
+        if self._due(self._flag("crash_in_snapshot"), step, None):
+            return lambda: crash(f"{self.name} while copying the memory snapshot of step {step}")
+        return None
+
     def stager(self, options, step):
         """--crash-in-staging (fsdp --async-save): a DCP stager that kills the crash rank in its staging
         thread as it starts copying the shards of step N (the training loop goes on meanwhile), or None."""

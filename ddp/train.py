@@ -9,11 +9,14 @@
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
 optimizer, step, config and every rank's RNG state into one file, atomically; every rank resumes
-from the newest file that loads. Data and learning rate are functions of the step, so a crashed
-and restarted job ends with exactly the weights of one that never crashed. A loss that is not
-finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
+from the newest file that loads. Every step the node's ranks also copy the state into memory that
+outlives a dead process (/dev/shm, common/snapshot.py): a restart resumes from there when it is newer,
+and replays at most one step. Data and learning rate are functions of the step, so a crashed and
+restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
+stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,19 +32,21 @@ LAUNCHED_AT = time.time()  # this process's start, before torch is imported: whe
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, run_dir_problems,
-                               seed_rng, set_rng_state, step_name)
+                               newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
+                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
-from common.data import StepData
+from common.data import StepData, data_problems
 from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
                          set_collective_timeout, setup, teardown)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import (CommTimer, Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
+from common import snapshot
 
 
 # ----------------------------------------------------------------------------- config
@@ -55,7 +60,7 @@ class Config:
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
     preset: str = ""  # a named model shape (PRESETS in common/model.py: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
-    vocab: int = 64  # vocabulary size (256 with --data)
+    vocab: int = 64  # vocabulary size: above every token id of --data (256 or more for a text file)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width
     layers: int = 2  # Transformer blocks
@@ -63,7 +68,7 @@ class Config:
     dropout: float = 0.0  # dropout; its randomness is in the saved RNG state, so resume stays exact
     tie_head: bool = False  # share the output head with the token embedding
     batch_size: int = 24  # global batch: sequences per optimizer step, split evenly across ranks
-    data: str = ""  # a text file to train on as bytes (vocab 256) instead of the synthetic task
+    data: str = ""  # a token file (llm.c's or nanoGPT's *.bin) or a text file (bytes); default: the synthetic task
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of the cosine decay
     warmup: int = 20  # steps of linear warmup
@@ -74,25 +79,35 @@ class Config:
     hang_timeout_s: float = 15.0  # from step 5 on, a collective that waits longer than this (or 20 steps, if longer) fails
     bf16: bool = True  # on CUDA: autocast the forward to bf16; weights, gradients and their all-reduce stay fp32 (CPU: fp32)
     async_save: bool = False  # copy each checkpoint to CPU memory (pinned on CUDA), then write it in a background thread while training goes on
+    snapshot_every: int = 1  # copy the state into --snapshot-dir every N steps (0: off): a restart loses at most N
+    snapshot_dir: str = ""  # the node's folder for them, on a tmpfs (default: one for the run in /dev/shm)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
+    crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
+SHARDED = False  # every rank holds the whole state: the memory tier keeps one copy of it per node
 
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-                + peak_flops_problems() + run_dir_problems(cfg.run_dir))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
+                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-    return problems + [resume] if resume else problems
+    problems += [resume] if resume else []
+    if not problems:  # room for the memory tier's slots
+        with torch.device("meta"):
+            params = num_params(Transformer(model_config(cfg)))
+        problems += snapshot.tier_problems(cfg, params, sharded=SHARDED)
+    return problems
 
 
 def lr_at(cfg, step):
@@ -119,6 +134,7 @@ class Run:
     monitor: Monitor
     faults: Faults  # the tests' faults, idle unless a fault flag is set (common/faults.py)
     write_pool: Optional[ThreadPoolExecutor]  # --async-save: the one thread that writes rank 0's checkpoints
+    snapshots: Optional[snapshot.Snapshots]  # the memory tier (common/snapshot.py); None if it is off
 
 
 def cpu_copy(obj, pin, memo=None):
@@ -227,6 +243,16 @@ def resume(run, model, optimizer, fused):
     Rank 0 picks the checkpoint (falling back past torn ones) and every rank loads that same file, so no
     rank can resume from another step than the others."""
     cfg, rank, world = run.cfg, run.rank, run.world
+    if run.snapshots:  # the memory tier first: a snapshot newer than the newest disk checkpoint loses less
+        t0, committed = time.perf_counter(), checkpoints(run.ckpt_dir) if rank == 0 else None
+        step = snapshot.resume_from_memory(
+            run.snapshots, committed[0][0] if committed else None, model, optimizer, run.device,
+            lambda record: resume_problem(record, cfg, snapshot.FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)[0])
+        if step is not None:
+            run.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(run.snapshots.folder),
+                              source="memory")
+            print0(f"resuming from step {step} (memory snapshot)")
+            return step, step
     chosen, state = [None], None
     if rank == 0:
         _, chosen[0], state = load_newest(run.ckpt_dir, read_checkpoint)
@@ -255,7 +281,7 @@ def resume(run, model, optimizer, fused):
     else:  # each rank's RNG stream cannot carry over to another world size: derive new ones
         seed_rng(cfg.seed + step, rank)
         print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
-    run.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]))
+    run.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]), source="disk")
     print0(f"resuming from step {step}")
     return step, step
 
@@ -276,10 +302,15 @@ def main(cfg):
         faults = Faults(cfg, rank, world)  # the tests' faults, idle unless a fault flag is set (common/faults.py)
         write_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save
                       else None)
-        run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, write_pool)
+        # The memory tier (common/snapshot.py): every rank's RNG, and one copy per node of the model and
+        # optimizer, which the node's ranks (numbered in a row by torchrun) copy a part each.
+        first = rank - int(os.environ.get("LOCAL_RANK", 0))
+        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, write_pool, snapshots)
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+        print0(f"data: {data.format}")
         tokens_per_step = cfg.batch_size * cfg.seq_len
 
         # --------------------------------------------------------------------- model and optimizer
@@ -318,6 +349,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         step_times, pending = [], None
+        snapshot_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -331,6 +363,8 @@ def main(cfg):
             lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if snapshots:  # the optimizer must not change tensors a snapshot is still copying
+                snapshot_s += snapshots.wait()
             optimizer.step()
             step += 1
             mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
@@ -343,12 +377,15 @@ def main(cfg):
             step_times.append(dt)
             saving = pending is not None and (pending.done_at or math.inf) > t0  # rank 0's async write was in flight
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
-                         mfu=mfu(flops_per_step, dt, device), saving=saving)
+                         mfu=mfu(flops_per_step, dt, device), saving=saving, snapshot_s=snapshot_s)
 
             guard.shorten_timeout(step_times)
             faults.after_step(step)
 
             # ----------------------------------------------------------------- checkpoint
+            if snapshots and snapshots.due(step):  # copied in a thread while the next step computes
+                snapshot_s = snapshots.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(),
+                                             faults.in_snapshot(step))
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
                 with guard.patient():  # the other ranks may wait while rank 0 writes or prunes
                     if pending:  # one save in flight at a time: the previous one commits first
@@ -365,6 +402,8 @@ def main(cfg):
             finish_save(run, pending, in_loop=False)
         if write_pool:
             write_pool.shutdown()
+        if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
+            snapshots.remove()
         if rank == 0:
             summary = training_summary(
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,

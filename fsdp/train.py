@@ -11,12 +11,16 @@ every rank, auto-resume at the same or another world size, and optional async sa
 Each rank holds 1/world of the parameters, gradients and optimizer state (fully_shard per block,
 then the root). A checkpoint is a folder ckpt/step-NNNNNNNN/: every rank writes its own shards, then
 rank 0 adds train.pt (step, config, every rank's RNG) and DCP's `.metadata` last, which commits it
-(fsdp/saving.py). Resume takes the newest committed folder that loads on every rank (each is tried
-twice), reshards it to the current world size, and continues with the same global batch. Newer folders
-that did not load are moved aside, never deleted. A loss that is not finite stops the job unsaved.
+(fsdp/saving.py). Every step each rank also copies its shards into memory that outlives a dead
+process (/dev/shm, common/snapshot.py). Resume takes the newest snapshot that every rank holds whole,
+if it is newer than the disk's, replaying at most one step; else the newest committed folder that
+loads on every rank (each is tried twice), resharded to the current world size, with the same global
+batch. Newer folders that did not load are moved aside, never deleted. A loss that is not finite
+stops the job unsaved.
 """
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -39,16 +43,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
-                               newest_resume_problem, param_digest, prune, remove, resume_problem, rng_state,
-                               run_dir_problems, seed_rng, set_rng_state, step_name)
+                               newest_resume_problem, ownership_problems, param_digest, prune, remove, resume_problem,
+                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
-from common.data import StepData
+from common.data import StepData, data_problems
 from common.dist import (PREEMPTED, StepGuard, exit_without_finalizing, print0, restarts, set_collective_timeout,
                          setup, teardown)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import (Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
+from common import snapshot
 from fsdp.saving import (FORMAT, REUSE_STAGER, ShardedSave, Writer, describe_staging, load_newest_everywhere,
                          save_failed, staging_options)
 
@@ -64,7 +69,7 @@ class Config:
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
     preset: str = ""  # a named model shape (PRESETS in common/model.py: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
-    vocab: int = 64  # vocabulary size (256 with --data)
+    vocab: int = 64  # vocabulary size: above every token id of --data (256 or more for a text file)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width
     layers: int = 2  # Transformer blocks
@@ -72,7 +77,7 @@ class Config:
     dropout: float = 0.0  # dropout; its randomness is in the saved RNG state, so resume stays exact
     tie_head: bool = False  # share the output head with the token embedding
     batch_size: int = 24  # global batch: sequences per optimizer step, split evenly across ranks
-    data: str = ""  # a text file to train on as bytes (vocab 256) instead of the synthetic task
+    data: str = ""  # a token file (llm.c's or nanoGPT's *.bin) or a text file (bytes); default: the synthetic task
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of the cosine decay
     warmup: int = 20  # steps of linear warmup
@@ -85,6 +90,8 @@ class Config:
     reshard_after_forward: bool = True  # free each block's gathered weights after forward; gather again for backward
     cpu_offload: bool = False  # keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's CPUOffloadPolicy)
     async_save: bool = False  # copy each checkpoint to CPU buffers and write it in background threads while training goes on
+    snapshot_every: int = 1  # copy the shards into --snapshot-dir every N steps (0: off): a restart loses at most N
+    snapshot_dir: str = ""  # the node's folder for them, on a tmpfs (default: one for the run in /dev/shm)
     save_threads: int = 8  # threads writing each rank's shards (on an H200's disk: 1 -> 0.58, 8 -> 0.88 of a raw write)
     compile: bool = False  # torch.compile each block before sharding it (as torchtitan does); the first steps compile
     export: str = ""  # at the end, torch.save the full model state dict to this file (for common.model.Transformer)
@@ -92,22 +99,31 @@ class Config:
     crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
     crash_in_staging: Optional[int] = None  # fault injection: --crash-rank dies while the async save of step N copies its shards
+    crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
+SHARDED = True  # each rank holds 1/world of the state: so does its memory tier
 
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-                + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
+                + ownership_problems(cfg.run_dir)
+                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-    return problems + [resume] if resume else problems
+    problems += [resume] if resume else []
+    if not problems:  # room for the memory tier's slots
+        with torch.device("meta"):
+            params = num_params(Transformer(model_config(cfg)))
+        problems += snapshot.tier_problems(cfg, params, sharded=SHARDED)
+    return problems
 
 
 def lr_at(cfg, step):
@@ -243,10 +259,21 @@ def finish_save(run, record, in_loop=True):
            + f" total {total_s * 1000:.0f} ms)")
 
 
-def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
-    """Load the newest checkpoint of `ckpt_dir` that loads on every rank and fits `cfg`, and restore
-    train.pt's step and RNG states; else start fresh. Returns (step, the step resumed from or None)."""
+def resume(cfg, ckpt_dir, snapshots, model, optimizer, fused, device, monitor):
+    """Restore the newest memory snapshot that every rank holds, if it is newer than the disk's newest
+    checkpoint; else load the newest checkpoint of `ckpt_dir` that loads on every rank and fits `cfg`, and
+    restore train.pt's step and RNG states; else start fresh. Returns (step, the step resumed from or None)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if snapshots:  # a snapshot newer than the newest disk checkpoint loses less
+        t0, committed = time.perf_counter(), checkpoints(ckpt_dir) if rank == 0 else None
+        step = snapshot.resume_from_memory(
+            snapshots, committed[0][0] if committed else None, model, optimizer, device,
+            lambda record: resume_problem(record, cfg, snapshot.FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)[0])
+        if step is not None:
+            monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(snapshots.folder),
+                          source="memory")
+            print0(f"resuming from step {step} (memory snapshot)")
+            return step, step
     # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
     # turn and move on together, so they never load different steps.
     candidates = [[path for _, path in checkpoints(ckpt_dir)] if rank == 0 else None]
@@ -270,7 +297,7 @@ def resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor):
             monitor.event("reshard", step=step, from_world_size=train_pt["world_size"], world_size=world)
         for group in optimizer.param_groups:  # the loaded groups carry the saving run's choice
             group["fused"] = fused
-        monitor.event("load", step=step, load_s=load_s, path=str(path))
+        monitor.event("load", step=step, load_s=load_s, path=str(path), source="disk")
         print0(f"resuming from step {step}")
     else:
         seed_rng(cfg.seed, rank)
@@ -311,6 +338,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+        print0(f"data: {data.format}")
         tokens_per_step = cfg.batch_size * cfg.seq_len
 
         # --------------------------------------------------------------------- model and optimizer
@@ -325,7 +353,8 @@ def main(cfg):
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        step, resumed_from = resume(cfg, ckpt_dir, model, optimizer, fused, device, monitor)
+        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(rank, rank + 1))  # the memory tier: a rank's shards, RNG
+        step, resumed_from = resume(cfg, ckpt_dir, snapshots, model, optimizer, fused, device, monitor)
         monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
                       world_size=world)
 
@@ -339,6 +368,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         step_times, pending = [], None  # pending: the async save in flight, if any
+        snapshot_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
         while step < cfg.steps:
             t0 = time.perf_counter()
             inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
@@ -350,6 +380,8 @@ def main(cfg):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             if pending:  # the optimizer must not change weights a save is still copying
                 pending.wait_staged()
+            if snapshots:  # nor those a snapshot is still copying
+                snapshot_s += snapshots.wait()
             lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -365,12 +397,15 @@ def main(cfg):
             step_times.append(dt)
             saving = pending is not None and (pending.done_at or math.inf) > t0  # an async save was in flight
             monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
-                         mfu=mfu(flops_per_step, dt, device), saving=saving)
+                         mfu=mfu(flops_per_step, dt, device), saving=saving, snapshot_s=snapshot_s)
 
             guard.shorten_timeout(step_times)
             faults.after_step(step)
 
             # ----------------------------------------------------------------- checkpoint
+            if snapshots and snapshots.due(step):  # copied in a thread while the next step computes
+                snapshot_s = snapshots.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(),
+                                             faults.in_snapshot(step))
             if step % cfg.save_every == 0 or step == cfg.steps or stop:
                 with guard.patient():
                     if pending:  # one save in flight at a time: the previous one commits first
@@ -387,6 +422,8 @@ def main(cfg):
             finish_save(run, pending, in_loop=False)
         if stager:
             stager.close()
+        if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
+            snapshots.remove()
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:

@@ -81,6 +81,9 @@ HANG_FLAGS = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async":
 HANG_FLAGS_DEFAULT = ["--hang-timeout-s", 5]
 # The parameter server neither reshards nor saves on SIGTERM: node-lost and preempt are for these.
 DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc"))
+# ddp and fsdp snapshot every step into memory (common/snapshot.py): a process that dies costs them at
+# most one step. The parameter server has no memory tier.
+NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL}
 POLL_S = 0.005  # how often the metrics files are read while waiting for a step
 
 
@@ -342,8 +345,10 @@ def crash_in_save(job):
 
 def first_launch_crashes(then):
     """A first launch that dies with no restart left, after `then(job)` has done what it does to its
-    newest checkpoint: the job proper is its relaunch."""
+    newest checkpoint: the job proper is its relaunch. The memory tier is off: its snapshots, newer
+    than the disk's newest checkpoint, would be loaded instead, and the disk's fallback go untested."""
     def prepare(job):
+        job.flags += NO_MEMORY_TIER.get(job.trial.strategy, [])
         job.crash_step = job.rng.randint(2 * SAVE_EVERY, STEPS - 1)
         flags = [*job.flags, "--crash-at-step", job.crash_step]
         first = start(*torchrun(job.script, job.trial.processes, job.run_dir, flags, max_restarts=0),
@@ -476,11 +481,13 @@ def resumed_alike(job):
 
 
 def no_step_lost(job):
-    """preempt: the step in progress at the signal was saved, and resumed from."""
+    """preempt: the step in progress at the signal (or the next: see below) was saved, and resumed from."""
     preempted, wrong = job.preempted, []
     done = max((e["step"] for e in job.events if e["rank"] == 0 and e["event"] == "step"
                 and e["time"] < preempted["signalled_at"]), default=0)
-    if not done <= preempted["step"] <= done + 1:
+    # The ranks read the signal in a step's closing all-reduce, and rank 0 writes the step's event after
+    # it: a signal that lands while a rank is in that all-reduce is read at the end of the next step.
+    if not done <= preempted["step"] <= done + 2:
         wrong.append(f"saved step {preempted['step']} for a signal after step {done}")
     if job.trial.resumed_step != preempted["step"]:
         wrong.append(f"resumed from step {job.trial.resumed_step}, not the preempted {preempted['step']}")
@@ -505,26 +512,29 @@ class FaultKind:
     fired: Callable = landed  # once the job ended: did the fault happen
     checks: Callable = lambda job: []  # problems beyond those of every trial
     expected: Callable = lambda job: job.ref.digest  # the digest the job's summary must have
+    lost_processes: bool = False  # a process dies and the node lives: the memory tier replays at most a step
 
 
 FAULTS = {kind.name: kind for kind in [
-    FaultKind("sigkill", fire=signal_worker(signal.SIGKILL)),
-    FaultKind("sigterm", fire=signal_worker(signal.SIGTERM)),  # a preempted worker
+    FaultKind("sigkill", lost_processes=True, fire=signal_worker(signal.SIGKILL)),
+    FaultKind("sigterm", lost_processes=True, fire=signal_worker(signal.SIGTERM)),  # a preempted worker
     # A hung worker, noticed only by a peer: its peers' collectives time out, torchrun restarts the job;
     # rpc-async ends without a stopped trainer, with no restart.
-    FaultKind("sigstop", min_ranks=2, restarts_on={"rpc-async": 0}, prepare=shorten_hang_timeouts, fire=stop_worker),
-    FaultKind("crash-at-step", prepare=crash_at_step(STEPS - 1), fired=crash_injected),
-    FaultKind("crash-in-save", prepare=crash_in_save, fired=crash_injected),
+    FaultKind("sigstop", lost_processes=True, min_ranks=2, restarts_on={"rpc-async": 0}, prepare=shorten_hang_timeouts,
+              fire=stop_worker),
+    FaultKind("crash-at-step", lost_processes=True, prepare=crash_at_step(STEPS - 1), fired=crash_injected),
+    FaultKind("crash-in-save", lost_processes=True, prepare=crash_in_save, fired=crash_injected),
     # A crash, then a SIGKILL after the resume: the crash leaves room for the second fault.
-    FaultKind("two-faults", restarts=2, prepare=crash_at_step(STEPS - 2 * MARGIN), fire=kill_after_resume,
-              fired=crash_injected_and_landed),
+    FaultKind("two-faults", lost_processes=True, restarts=2, prepare=crash_at_step(STEPS - 2 * MARGIN),
+              fire=kill_after_resume, fired=crash_injected_and_landed),
     FaultKind("damage-newest", restarts=0, prepare=first_launch_crashes(then=damage_newest),
               fired=lambda job: True),  # damaged before the relaunch
     FaultKind("transient-read", restarts=0, prepare=first_launch_crashes(then=hide_newest),
               fire=put_back_once_started, fired=put_back_and_kept),
     # DDP's async write of a small job takes milliseconds: a SIGKILL from outside cannot be aimed into
     # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
-    FaultKind("async-in-flight", strategies=("fsdp-async",), fire=kill_a_save, fired=killed_in_flight),
+    FaultKind("async-in-flight", lost_processes=True, strategies=("fsdp-async",), fire=kill_a_save,
+              fired=killed_in_flight),
     FaultKind("node-lost", strategies=DATA_PARALLEL, nodes=2, launch=two_nodes, fire=lose_node,
               checks=at_survivors_size, expected=resumed_alike),
     FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
@@ -571,8 +581,9 @@ def judge(job, kind, code):
     job.summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
     trial.exit, trial.restarts, trial.recovered = code, job.summary.get("restarts"), bool(job.summary)
     trial.problems += ["hung"] if trial.hung else problems(job.run_dir, code, job.output, trial.expected_restarts)
-    resumed_from = [e["resumed_from_step"] for e in ev if e["rank"] == 0 and e["event"] == "start"]
-    trial.bad_loads = sum(job.damaged is not None and step == job.damaged for step in resumed_from)
+    # A checkpoint that must not be loaded is on disk; the memory tier may hold a whole snapshot of its step.
+    from_disk = [e["step"] for e in ev if e["rank"] == 0 and e["event"] == "load" and e.get("source") != "memory"]
+    trial.bad_loads = sum(job.damaged is not None and step == job.damaged for step in from_disk)
     trial.fired = kind.fired(job)
     trial.fault_step = job.hit.step if job.hit else job.crash_step
 
@@ -591,6 +602,8 @@ def judge(job, kind, code):
             trial.vs_cold_start = trial.recovery_s / cold_s
 
     trial.problems += kind.checks(job)
+    if kind.lost_processes and trial.strategy in NO_MEMORY_TIER and (trial.replayed_steps or 0) > 1:
+        trial.problems.append(f"replayed {trial.replayed_steps} steps: the memory tier loses at most one")
     trial.digest_equal = bool(job.summary) and job.summary.get("param_digest") == kind.expected(job)
     if trial.strategy == "rpc-async" and job.summary:  # arrival order decides its weights: its guarantees instead
         wrong = async_problems(events(job.run_dir), job.summary)

@@ -159,24 +159,26 @@ def load_script(path):
     return module
 
 
-def preflight(script, world, flags):
+def preflight(script, world, flags, local_world=None):
     """Check a job's flags once, before torchrun starts workers that would each fail and be retried
     --max-restarts times: exit 2 with one line if the script's check(cfg) finds a problem at world
-    size `world`, or if a running job holds the run folder."""
+    size `world` (`local_world` ranks on this node), or if a running job holds the run folder."""
     from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
-    outside = os.environ.get("WORLD_SIZE")
+    outside = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)  # and the memory tier's room on this node
     module = load_script(script)
     cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
     in_use = run_dir_in_use(cfg.run_dir)
     if in_use:
         fail(in_use, prog=script)
-    if outside is None:  # torchrun gets the environment as it was
-        del os.environ["WORLD_SIZE"]
-    else:
-        os.environ["WORLD_SIZE"] = outside
+    for name, value in outside.items():  # torchrun gets the environment as it was
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 
 
 def main(argv):
@@ -186,7 +188,7 @@ def main(argv):
     script, nproc, *flags = argv[1:] if checked else argv
     nnodes = os.environ.get("NNODES") or "1"
     if checked:  # an elastic job is checked at its largest world size (MAX nodes)
-        preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags)
+        preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags, int(nproc))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),
                         endpoint=os.environ.get("RDZV_ENDPOINT") or "localhost:0",

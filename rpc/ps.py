@@ -52,10 +52,10 @@ import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, param_digest, prune, resume_problem, rng_state, run_dir_problems,
-                               seed_rng, set_rng_state, step_name)
+                               newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
+                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
-from common.data import StepData
+from common.data import StepData, data_problems
 from common.dist import exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
@@ -74,7 +74,7 @@ class Config:
     seed: int = 0  # seeds the weights, the data and each trainer's per-step RNG
     device: str = "auto"  # where trainers compute: auto (a GPU per local rank if enough, else CPU), cpu or cuda
     preset: str = ""  # a named model shape (PRESETS in common/model.py: tiny ... 1b); replaces vocab, seq_len, dim, layers, heads
-    vocab: int = 64  # vocabulary size (256 with --data)
+    vocab: int = 64  # vocabulary size: above every token id of --data (256 or more for a text file)
     seq_len: int = 32  # tokens per sequence
     dim: int = 64  # model width
     layers: int = 2  # Transformer blocks
@@ -82,7 +82,7 @@ class Config:
     dropout: float = 0.0  # dropout; trainers reseed per step from (seed, step, rank), so resume stays exact
     tie_head: bool = False  # share the output head with the token embedding
     batch_size: int = 24  # global batch: sequences per update, split evenly across the trainers
-    data: str = ""  # a text file to train on as bytes (vocab 256) instead of the synthetic task
+    data: str = ""  # a token file (llm.c's or nanoGPT's *.bin) or a text file (bytes); default: the synthetic task
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of the cosine decay
     warmup: int = 20  # steps of linear warmup
@@ -113,7 +113,8 @@ def check(cfg):
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
     problems = (model_problems(cfg) + flag_problems(cfg, world - 1)  # the trainers split the batch
-                + peak_flops_problems() + run_dir_problems(cfg.run_dir))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
+                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")

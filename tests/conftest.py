@@ -1,6 +1,7 @@
 """Helpers for the end-to-end tests: launch the real torchrun, read what the scripts wrote."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +50,16 @@ def metrics(run_dir, rank=0, event=None):
     lines = (Path(run_dir) / f"metrics-rank{rank}.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     return [r for r in rows if event is None or r["event"] == event]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_snapshots_left_behind():
+    """A job that stops for good (exit 2 or 3, a crash with no restart left) leaves its memory snapshots
+    for a restart that the tests never make: remove the folders this session's jobs made in /dev/shm."""
+    before = set(Path("/dev/shm").glob(f"snapshots-{os.getuid()}-*"))
+    yield
+    for folder in set(Path("/dev/shm").glob(f"snapshots-{os.getuid()}-*")) - before:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

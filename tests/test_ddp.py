@@ -45,18 +45,22 @@ def docstring_launch_line():
 
 def test_the_docstring_launch_line_survives_a_crash_bitwise(tmp_path, ddp_reference):
     # The line as a user copies it (2 ranks, torchrun restarts, the rendezvous variable), with dropout on:
-    # the saved per-rank RNG is what makes the resumed masks equal.
+    # the saved per-rank RNG is what makes the resumed masks equal. The crash is the memory tier's worst
+    # moment: the node's two ranks share one copy of the state, each copying half, and rank 1 dies
+    # halfway through its half of step 10's, before its record. Step 10 is then not whole; step 9, in the
+    # other slot, is: one step is replayed, not the two since the disk's step 8.
     command = docstring_launch_line()
     assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3")
-    flags = " ".join(map(str, ["--run-dir", tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 10]))
+    flags = " ".join(map(str, ["--run-dir", tmp_path, *SMALL, *DROPOUT, "--crash-in-snapshot", 10]))
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", "-c", f"{command} {flags}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "injected crash: rank 1 after step 10" in proc.stderr
-    assert "resuming from step 8" in proc.stdout
+    assert "injected crash: rank 1 while copying the memory snapshot of step 10" in proc.stderr
+    assert "resuming from step 9 (memory snapshot)" in proc.stdout
+    assert [(e["step"], e["source"]) for e in metrics(tmp_path, 1, "load")] == [(9, "memory")]
     result = summary(tmp_path)
-    assert result["restarts"] == 1 and result["resumed_from_step"] == 8
+    assert result["restarts"] == 1 and result["resumed_from_step"] == 9
     assert result["param_digest"] == summary(ddp_reference)["param_digest"]
 
 
@@ -76,8 +80,10 @@ def test_launch_without_the_rendezvous_variable_is_refused_in_one_line(tmp_path)
 
 def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
     # An async save: rank 0's writer thread dies with the file written, not renamed, while the loop trains
-    # on (a synchronous save writes through the same atomic_save, on the main thread).
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, restarts=1)
+    # on (a synchronous save writes through the same atomic_save, on the main thread). The memory tier is
+    # off: its snapshot of step 8 would be loaded, and the fallback on disk go untested.
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, "--snapshot-every", 0,
+                    restarts=1)
     assert "injected crash: rank 0 while saving step 8" in proc.stderr
     result = summary(tmp_path)
     assert result["resumed_from_step"] == 4  # the step-8 file was never committed
@@ -96,7 +102,7 @@ def test_truncated_latest_checkpoint_is_moved_aside_and_keep_1_keeps_the_fresh_s
     assert summary(tmp_path)["resumed_from_step"] == 12
     assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
     # The damaged file is kept aside, byte for byte; --keep 1 kept the step-16 checkpoint just written.
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))
     assert len(names) == 2 and names[0] == step_name(16, ".pt"), names
     assert re.fullmatch(r"step-00000016\.pt\.unreadable-.*", names[1])
     assert (tmp_path / "ckpt" / names[1]).read_bytes() == damaged

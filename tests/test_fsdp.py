@@ -1,4 +1,5 @@
 """fsdp/train.py end to end: real torchrun, gloo on CPU. Each test runs the real job and reads what it wrote."""
+import json
 import shutil
 import time
 from pathlib import Path
@@ -35,8 +36,9 @@ def test_a_crash_while_an_async_save_copies_the_shards_resumes_from_the_previous
     # Rank 1 dies in the staging thread of step 12's save, its loop gone on; without rank 1's shards
     # step 12 never commits, and the job resumes from step 8. With --cpu-offload the weights and the
     # optimizer state live on the CPU, and are staged from there.
+    # The memory tier is off: its snapshot of step 12 or 11 would be loaded instead.
     proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--cpu-offload", "--async-save", "--crash-in-staging", "12",
-                    restarts=1)
+                    "--snapshot-every", 0, restarts=1)
     assert "async save: staged in a background thread into pageable CPU buffers" in proc.stdout
     assert "injected crash: rank 1 while staging step 12" in proc.stderr
     assert "resuming from step 8" in proc.stdout
@@ -48,7 +50,8 @@ def test_a_crash_while_an_async_save_copies_the_shards_resumes_from_the_previous
 def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, reference):
     # The crash hits the third save; the one loaded is the second, staged into the buffers the
     # first save filled: a stale or mixed-up buffer would load other weights and change the digest.
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", "12", restarts=1)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", "12", "--snapshot-every", 0,
+                    restarts=1)  # the memory tier off, as above
     assert "step-00000012: shards written, not committed" in proc.stderr
     assert "resuming from step 8" in proc.stdout  # not from the torn step 12...
     assert "removed step-00000012 (never committed)" in proc.stdout  # ...which is saved again in a fresh folder
@@ -61,6 +64,26 @@ def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, r
     assert {e["step"] for e in saves} == {4, 8, 12, 16}
     assert all(0 < e["blocking_s"] <= e["total_s"] and 0 < e["staging_s"] <= e["total_s"] and e["bytes"] > 0
                for e in saves)
+
+
+def test_a_damaged_memory_snapshot_is_refused_by_its_checksum_and_the_job_ends_bitwise(tmp_path, reference):
+    # A first launch dies after step 10 with no restart left: its snapshots of steps 9 and 8 (rank 0's
+    # perhaps of 10) stay in memory. One byte of rank 0's step 9 changes; the relaunch refuses it by its
+    # checksum and resumes from step 8 (the older slot, or the disk's), never from the damaged bytes.
+    snap_dir = tmp_path / "memory"
+    flags = [*SMALL, *DROPOUT, "--snapshot-dir", snap_dir]
+    first = torchrun(SCRIPT, 2, tmp_path, *flags, "--crash-at-step", 10, max_restarts=0, check=False)
+    assert first.returncode != 0 and "injected crash: rank 1 after step 10" in first.stderr
+    record = next(r for r in map(json.loads, map(Path.read_text, snap_dir.glob("*-rank0-slot*.json"))) if r["step"] == 9)
+    data = snap_dir / f"{record['run']}-rank0-slot{9 % 2}-{record['nbytes']}.bin"
+    damaged = bytearray(data.read_bytes())
+    damaged[record["part"][1] // 2] ^= 0xFF
+    data.write_bytes(damaged)
+    proc = torchrun(SCRIPT, 2, tmp_path, *flags)
+    assert "do not match their checksum (damaged)" in proc.stdout
+    assert summary(tmp_path)["resumed_from_step"] == 8
+    assert summary(tmp_path)["param_digest"] == summary(reference)["param_digest"]
+    assert not snap_dir.exists()  # a finished job removes its snapshots
 
 
 def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks):
@@ -138,7 +161,8 @@ def test_a_shard_only_rank_peaks_in_training_at_a_fraction_of_a_ddp_rank(tmp_pat
     # OS when freed, and the RSS is what the rank holds: its state (here 1.0x the full model) and about
     # four unsharded blocks in flight. Measured: 1.90x, 0.23 of DDP's 8.36x (README: FSDP, memory).
     shape = ["--dim", 384, "--layers", 8, "--heads", 4, "--vocab", 64, "--seq-len", 16, "--batch-size", 8,
-             "--steps", 3, "--save-every", 100, "--log-every", 100]
+             "--steps", 3, "--save-every", 100, "--log-every", 100,
+             "--snapshot-every", 0]  # the memory tier's pages, touched by each rank, would count in its RSS
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     jobs = {name: launch.start(*launch.torchrun(script, 4, tmp_path / name, shape, env=env), log=tmp_path / f"{name}.log")
             for name, script in (("fsdp", SCRIPT), ("ddp", "ddp/train.py"))}

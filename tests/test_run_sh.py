@@ -11,10 +11,10 @@ from conftest import REPO
 
 def test_run_sh_uses_an_installed_torch_and_installs_only_what_a_mode_lacks(tmp_path):
     # A python with torch and numpy but without the test packages: this interpreter, with pytest,
-    # tabulate and yaml made unimportable, in a copy of the project that has no .venv yet.
+    # and tabulate made unimportable, in a copy of the project that has no .venv yet.
     block = tmp_path / "block"
     block.mkdir()
-    for module in ("pytest", "tabulate", "yaml"):
+    for module in ("pytest", "tabulate"):
         (block / f"{module}.py").write_text("raise ImportError('hidden by the test')\n")
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} "$@"\n')

@@ -1,0 +1,367 @@
+"""The memory tier: every --snapshot-every K steps, each rank copies what a bitwise resume needs into
+files on a tmpfs (/dev/shm), which outlive the process that wrote them, though not the machine. A
+restarted process resumes from there and replays at most the step it died in, where the disk
+checkpoints alone replay every step since their last commit.
+
+One folder per node (--snapshot-dir), two slots per rank, used in turn (slot = step // K % 2):
+    <run>-rank<R>-slot<S>-<size>.bin  the state's tensors back to back, model then optimizer: an FSDP
+                        rank's own shards; for DDP one copy per node, named after the node's first
+                        rank, each of the node's ranks copying a part of it
+    <run>-rank<R>-slot<S>.json  rank R's record: step, world size, config, its RNG, the tensors'
+                        names, dtypes, shapes and offsets, the CRC32 of the part it copied
+A snapshot deletes its slot's record, copies, then writes the record to a temp name and renames it:
+a process killed at any point leaves the other slot whole; a step is restored only where every part
+of it is recorded and matches its checksum. <run> is the run's id (ckpt/run-id, created with the
+run), so another run's snapshots are never read; a record whose config differs is refused as a disk
+checkpoint's would be.
+
+The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
+for it (`wait`) only before the optimizer step that would change the tensors being copied.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from common.checkpoint import atomic_write, set_rng_state
+from common.dist import agree, print0
+
+FORMAT = 1  # the layout of a record (written below, read in `load`)
+ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its typed view is aligned
+STATE_BYTES_PER_PARAM = 12  # an fp32 weight and AdamW's two fp32 moments
+
+
+def default_dir(run_dir):
+    """This user's folder for the run in /dev/shm (None where there is no /dev/shm: no memory tier)."""
+    if not os.path.isdir("/dev/shm"):
+        return None
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return Path("/dev/shm") / f"snapshots-{os.getuid()}-{digest}"
+
+
+def folder_of(cfg):
+    """Where this node keeps the run's snapshots: --snapshot-dir, or default_dir (None: the tier is off)."""
+    return Path(cfg.snapshot_dir) if cfg.snapshot_dir else default_dir(cfg.run_dir)
+
+
+def tier_problems(cfg, params, sharded):
+    """[a line] if the node's snapshot folder cannot take the run's slots (see room_problem), for a model
+    of `params` parameters; sharded: each rank holds 1/world of the state (FSDP)."""
+    folder = folder_of(cfg)
+    if not cfg.snapshot_every or folder is None:
+        return []
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    problem = room_problem(folder, needed_bytes(params, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                                sharded))
+    return [problem] if problem else []
+
+
+def open_tier(cfg, ckpt_dir, group):
+    """This rank's Snapshots for the run (None, said in one line, where there is no /dev/shm), sharing
+    one copy of the state with the ranks `group`. Every rank calls it: rank 0 reads or creates the run's
+    id and sends it to the others."""
+    if not cfg.snapshot_every:
+        return None
+    if folder_of(cfg) is None:
+        print0("memory tier off: no /dev/shm here (pass --snapshot-dir to choose a folder)")
+        return None
+    ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(ids, src=0)
+    snapshots = Snapshots(folder_of(cfg), ids[0], dist.get_rank(), group, cfg.snapshot_every,
+                          {"world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)})
+    print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}")
+    return snapshots
+
+
+def run_id(ckpt_dir):
+    """The run's id, created with the run (rank 0 only): deleting ckpt/ starts a new run, whose
+    snapshots cannot be confused with the old one's."""
+    path = Path(ckpt_dir) / "run-id"
+    if not path.is_file():
+        atomic_write(path, lambda f: f.write(uuid.uuid4().hex.encode()))
+    return path.read_text().strip()
+
+
+def local_tensors(state):
+    """[(name, tensor)] of a nested state dict in a fixed order; a DTensor gives its local shard, which
+    shares its storage."""
+    found = []
+
+    def walk(name, obj):
+        if torch.is_tensor(obj):
+            found.append((name, obj.to_local() if isinstance(obj, DTensor) else obj))
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(f"{name}/{key}", value)
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(f"{name}/{i}", value)
+
+    walk("", state)
+    return found
+
+
+def rng_to_json(state):
+    """common.checkpoint.rng_state() as JSON values (a record is read back without unpickling anything)."""
+    version, words, gauss = state["python"]
+    out = {"python": [version, list(words), gauss], "torch": state["torch"].numpy().tobytes().hex()}
+    if "cuda" in state:
+        out["cuda"] = [t.numpy().tobytes().hex() for t in state["cuda"]]
+    return out
+
+
+def rng_from_json(saved):
+    version, words, gauss = saved["python"]
+    state = {"python": (version, tuple(words), gauss),
+             "torch": torch.frombuffer(bytearray.fromhex(saved["torch"]), dtype=torch.uint8)}
+    if "cuda" in saved:
+        state["cuda"] = [torch.frombuffer(bytearray.fromhex(h), dtype=torch.uint8) for h in saved["cuda"]]
+    return state
+
+
+def layout(tensors):
+    """[(name, dtype, shape, offset)] of `tensors` in a .bin, and its size in bytes."""
+    entries, offset = [], 0
+    for name, t in tensors:
+        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return entries, offset
+
+
+def views(buf, entries):
+    """The typed tensors of a .bin mapped as `buf` (uint8), one per layout entry."""
+    out = []
+    for _, dtype, shape, offset in entries:
+        dtype = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        out.append(buf[offset:offset + n].view(dtype).view(shape))
+    return out
+
+
+def needed_bytes(params, world, local_world, sharded):
+    """Bytes a node's snapshot folder holds: two slots of 12 bytes a parameter, for each copy on the
+    node (sharded: each local rank holds 1/world of the state; else one copy per node)."""
+    copies = local_world / world if sharded else 1
+    return int(2 * STATE_BYTES_PER_PARAM * params * copies)
+
+
+def room_problem(folder, need):
+    """A line if `folder` is not this user's alone, or if its filesystem cannot take `need` more bytes,
+    counting as free the snapshots already there (a restart writes over its own)."""
+    folder = Path(folder)
+    if folder.exists() or folder.is_symlink():  # a stranger's folder could hold snapshots they wrote
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
+                    f"{st.st_uid}), so its snapshots could be another's: remove it, or pass another")
+    probe = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    if probe is None or not os.access(probe, os.W_OK):
+        return f"--snapshot-dir {folder}: not writable; pass another, or --snapshot-every 0 to go without the tier"
+    fs = os.statvfs(probe)
+    held = sum(p.stat().st_size for p in folder.glob("*-rank*-slot*")) if folder.is_dir() else 0
+    free = fs.f_bavail * fs.f_frsize + held
+    if free < need:
+        return (f"--snapshot-dir {folder}: the memory tier needs {need / 2**20:.0f} MiB on this node, "
+                f"{free / 2**20:.0f} MiB free; free some, or pass --snapshot-every 0 to go without it")
+    return None
+
+
+class Snapshots:
+    """This rank's two slots in `folder`, and the copy into them in a thread of its own.
+
+    The ranks `group` (a range) share one copy of the state, in the .bin named after its first rank,
+    each copying and checksumming its part: an FSDP rank is a group of its own (its shards); DDP's
+    ranks on a node form one group, their states being the same. `record` is what every record says of
+    the run (its id, world size, config)."""
+
+    def __init__(self, folder, run, rank, group, every, record):
+        self.folder, self.run, self.rank, self.group, self.every = Path(folder), run, rank, group, every
+        self.record = {"format": FORMAT, "run": run, **record}
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone: see room_problem
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self.copying = None  # the copy in flight
+        self.failed = False  # a copy failed: no more snapshots on this rank
+        self.tensors = None  # the live tensors copied at each snapshot, found at the first
+        self.maps = {}  # slot -> the group's .bin, mapped as uint8
+
+    def path(self, rank, slot, suffix):
+        return self.folder / f"{self.run}-rank{rank}-slot{slot}{suffix}"
+
+    def slot(self, step):
+        return step // self.every % 2
+
+    def due(self, step):
+        return self.every > 0 and step % self.every == 0 and not self.failed
+
+    # ------------------------------------------------------------------------- write
+    def start(self, step, state, rng, crash_midway=None):
+        """Snapshot `step` in the thread: `state()` gives the state dicts whose tensors are copied, the
+        model's and the optimizer's, as get_state_dict does (called once: its tensors are updated in
+        place from then on, as AdamW's and FSDP's are); `rng` is this rank's RNG state now.
+        `crash_midway` is fault injection, called halfway through the copy. Returns the seconds this
+        call blocked the loop."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self.tensors is None:
+            self.tensors = local_tensors(state())
+            self.entries, self.nbytes = layout(self.tensors)
+            self.part = part(self.entries, self.nbytes, self.rank - self.group.start, len(self.group))
+        self.copying = self.pool.submit(self._write, step, rng, crash_midway)
+        return time.perf_counter() - t0
+
+    def wait(self):
+        """Until the copy in flight is done; returns the seconds waited. A copy that failed (a full
+        tmpfs) turns the tier off on this rank, in one line: the disk tier is still there, and a
+        restart finds no newer snapshot of this rank, so it loads from disk."""
+        t0 = time.perf_counter()
+        if self.copying is not None:
+            try:
+                self.copying.result()
+            except Exception as e:
+                print(f"rank {self.rank}: memory snapshot failed ({str(e).strip()[:160]}): the memory tier is off "
+                      "on this rank, the disk checkpoints go on", flush=True)
+                self.failed = True
+            self.copying = None
+        return time.perf_counter() - t0
+
+    def _write(self, step, rng, crash_midway):
+        slot = self.slot(step)
+        record_path = self.path(self.rank, slot, ".json")
+        record_path.unlink(missing_ok=True)  # from here until the rename, this slot is not a snapshot
+        if slot not in self.maps:  # the group's ranks map it at once: its size in its name, none unlinks another's
+            path = self.path(self.group.start, slot, f"-{self.nbytes}.bin")
+            buf = torch.from_file(str(path), shared=True, size=self.nbytes, dtype=torch.uint8)
+            self.maps[slot] = buf, views(buf, self.entries)
+        buf, targets = self.maps[slot]
+        (lo, hi), mine = self.part
+        for n, i in enumerate(mine):
+            targets[i].copy_(self.tensors[i][1])
+            if crash_midway and n == len(mine) // 2:
+                crash_midway()
+        record = {**self.record, "step": step, "slot": slot, "rank": self.rank, "rng": rng_to_json(rng),
+                  "layout": self.entries, "nbytes": self.nbytes, "part": [lo, hi],
+                  "crc32": zlib.crc32(buf[lo:hi].numpy())}
+        atomic_write(record_path, lambda f: f.write(json.dumps(record).encode()))  # JSON: nothing in it runs
+
+    # ------------------------------------------------------------------------- read
+    def records(self):
+        """{step: record} of this rank's committed slots of this run (their world size and config are
+        checked by the caller)."""
+        found = {}
+        for slot in (0, 1):
+            try:
+                record = json.loads(self.path(self.rank, slot, ".json").read_text())
+            except (OSError, ValueError):  # absent, or not a record
+                continue
+            if record.get("format") == FORMAT and record.get("run") == self.run:
+                found[record["step"]] = record
+        return found
+
+    def load(self, record):
+        """The tensors and RNG of `record` (this rank's): the group's .bin, each part checked against
+        the record of the rank that wrote it. Raises ValueError naming what is wrong."""
+        step, slot = record["step"], record["slot"]  # (--snapshot-every may have changed since)
+        parts = []
+        for r in self.group:
+            other = record if r == self.rank else json.loads(self.path(r, slot, ".json").read_text())
+            if (other.get("run"), other.get("step"), other.get("layout")) != (self.run, step, record["layout"]):
+                raise ValueError(f"rank {r}'s slot {slot} holds another step")
+            parts.append((*other["part"], other["crc32"]))
+        path = self.path(self.group.start, slot, f"-{record['nbytes']}.bin")
+        if not path.is_file() or path.stat().st_size != record["nbytes"]:
+            raise ValueError(f"{path.name} is missing or has the wrong size")
+        buf = torch.from_file(str(path), shared=False, size=record["nbytes"], dtype=torch.uint8)
+        for lo, hi, crc in parts:
+            if zlib.crc32(buf[lo:hi].numpy()) != crc:
+                raise ValueError(f"bytes {lo}-{hi} of {path.name} do not match their checksum (damaged)")
+        return views(buf, record["layout"]), record["layout"], rng_from_json(record["rng"])
+
+    def remove(self):
+        """Delete this rank's slots (a finished job), and the folder once it is empty."""
+        self.wait()
+        for path in [*self.folder.glob(f"{self.run}-rank{self.rank}-slot*"),  # and a record's temp file
+                     *self.folder.glob(f".{self.run}-rank{self.rank}-slot*")]:
+            path.unlink(missing_ok=True)
+        try:
+            self.folder.rmdir()
+        except OSError:  # another rank's slots, or another run's, are still there
+            pass
+
+
+def part(entries, nbytes, index, count):
+    """((lo, hi), [entry indices]): the `index`-th of `count` parts of a .bin, split at tensor
+    boundaries into byte ranges of about nbytes / count each."""
+    bounds = [0] + [next((e[3] for e in entries if e[3] >= nbytes * k / count), nbytes) for k in range(1, count)]
+    bounds.append(nbytes)
+    lo, hi = bounds[index], bounds[index + 1]
+    return (lo, hi), [i for i, e in enumerate(entries) if lo <= e[3] < hi]
+
+
+def restore(tensors, entries, model_state, optim_state):
+    """Copy the snapshot's `tensors` into the state dicts that get_state_dict gave (the live model's
+    and optimizer's, by name), after checking that they are the same tensors; the caller then loads
+    them with set_state_dict."""
+    live = local_tensors((model_state, optim_state))  # as `start` found them
+    expected = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in live]
+    if expected != [e[:3] for e in entries]:
+        raise ValueError("its tensors are not this model's and optimizer's")
+    with torch.no_grad():
+        for (_, t), saved in zip(live, tensors):
+            t.copy_(saved)
+
+
+def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_problem):
+    """Restore the newest snapshot that every rank holds whole, if it is newer than the newest disk
+    checkpoint (`disk_step`, as rank 0 sees it; None if there is none): its tensors into `model` and
+    `optimizer`, its RNG into this rank. `config_problem(record)` is the resume check a disk checkpoint's
+    config gets (a line, or None). Returns the step restored, or None (with a line saying why, if there
+    was a snapshot) for the caller to load from disk.
+
+    One collective settles which steps every rank can restore; each rank then checks the data it reads
+    against its checksum, and the ranks agree on the outcome: they load the same step, or all fall back."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    records, problems = snapshots.records(), {}
+    for step, record in records.items():
+        problems[step] = (f"written at world size {record['world_size']}, this job has {world} (the memory tier "
+                          "does not reshard)" if record["world_size"] != world else config_problem(record))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (problems, disk_step))
+    disk_step = everyone[0][1]
+    newest = max((s for found, _ in everyone for s in found), default=None)
+    if newest is None:
+        return None
+    usable = set.intersection(*({s for s, problem in found.items() if problem is None} for found, _ in everyone))
+    candidates = sorted((s for s in usable if disk_step is None or s > disk_step), reverse=True)
+    if not candidates or candidates[0] != newest:
+        missing = next((f"rank {r}: {found[newest]}" if newest in found else f"rank {r} has none"
+                        for r, (found, _) in enumerate(everyone) if found.get(newest, "") is not None), None)
+        why = missing or f"the disk checkpoint of step {disk_step} is not older"
+        print0(f"memory snapshot of step {newest} not used: {why}"
+               + (f"; trying step {candidates[0]}" if candidates else "; loading from disk"))
+    for step in candidates:
+        error = None
+        try:
+            tensors, entries, rng = snapshots.load(records[step])
+            model_state, optim_state = get_state_dict(model, optimizer)
+            restore(tensors, entries, model_state, optim_state)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        except (ValueError, OSError, RuntimeError, KeyError) as e:
+            error = e
+            print(f"rank {rank}: memory snapshot of step {step} not loaded ({e})", flush=True)
+        if agree(error is None, device):
+            set_rng_state(rng)
+            return step
+        print0(f"memory snapshot of step {step} did not load on every rank: "
+               + ("trying the older one" if step != candidates[-1] else "loading from disk"))
+    return None

@@ -1,0 +1,134 @@
+"""The memory tier's files, in one process (a gloo group of one): a snapshot restores exactly, and one
+that is torn, damaged, another run's, another configuration's or another world size's is never loaded.
+The end-to-end crashes are in test_ddp.py and test_fsdp.py."""
+import functools
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from common import snapshot
+from common.checkpoint import param_digest, rng_state
+
+CONFIG = {"seed": 0, "dim": 8}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group_of_one(tmp_path_factory):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store')}/store", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def trained(seed, steps):
+    """A small model and its AdamW after `steps` steps (the optimizer's state exists from the first)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def state_digest(model, optimizer):
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = dict(snapshot.local_tensors((model_state, optim_state)))
+    return param_digest(tensors)
+
+
+def snapshots(folder, run="run-a", config=CONFIG, world=1):
+    return snapshot.Snapshots(folder, run, 0, range(0, 1), 1, {"world_size": world, "config": config})
+
+
+def take(snaps, model, optimizer, step, crash_midway=None):
+    snaps.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(), crash_midway)
+    snaps.wait()
+
+
+def restored(snaps, disk_step=None, config_problem=lambda record: None):
+    """(step restored or None, the fresh model and optimizer it was restored into)."""
+    model, optimizer = trained(seed=1, steps=0)
+    step = snapshot.resume_from_memory(snaps, disk_step, model, optimizer, torch.device("cpu"), config_problem)
+    return step, model, optimizer
+
+
+def test_the_newest_snapshot_restores_the_model_optimizer_and_rng_exactly(tmp_path):
+    model, optimizer = trained(seed=0, steps=3)
+    snaps = snapshots(tmp_path)
+    take(snaps, model, optimizer, 2)  # slot 0
+    expected_rng = torch.get_rng_state()
+    take(snaps, model, optimizer, 3)  # slot 1: the newest
+    want = state_digest(model, optimizer)
+    torch.manual_seed(123)  # the restore must set it back
+    step, model2, optimizer2 = restored(snaps)
+    assert step == 3 and state_digest(model2, optimizer2) == want
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    # Only what is not newer than the disk's newest checkpoint: the disk is loaded instead.
+    assert restored(snaps, disk_step=3)[0] is None
+
+
+def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_its_checksum(tmp_path, capsys):
+    model, optimizer = trained(seed=0, steps=2)
+    snaps = snapshots(tmp_path)
+    take(snaps, model, optimizer, 4)
+    at_four = state_digest(model, optimizer)
+    trained_more = trained(seed=0, steps=3)
+
+    def die():
+        raise OSError("No space left on device")  # halfway through the copy: no record written
+
+    take(snaps, *trained_more, 5, crash_midway=die)
+    assert "memory snapshot failed (No space left on device): the memory tier is off" in capsys.readouterr().out
+    assert not snaps.due(6) and sorted(snaps.records()) == [4]
+    step, model2, optimizer2 = restored(snaps)
+    assert step == 4 and state_digest(model2, optimizer2) == at_four
+
+    record = snaps.records()[4]
+    path = snaps.path(0, snaps.slot(4), f"-{record['nbytes']}.bin")
+    data = bytearray(path.read_bytes())
+    data[record["part"][1] // 2] ^= 0xFF  # one byte changed after its record was written
+    path.write_bytes(data)
+    assert restored(snaps)[0] is None
+    out = capsys.readouterr().out
+    assert "do not match their checksum (damaged)" in out and "loading from disk" in out
+    assert path.exists()  # refused, never deleted
+
+
+def test_another_runs_configs_or_world_sizes_snapshots_are_never_loaded(tmp_path, capsys):
+    model, optimizer = trained(seed=0, steps=1)
+    take(snapshots(tmp_path, run="run-a"), model, optimizer, 1)
+    assert snapshots(tmp_path, run="run-b").records() == {}  # another run's files: not even read
+    assert restored(snapshots(tmp_path, run="run-b"))[0] is None
+
+    refused = restored(snapshots(tmp_path), config_problem=lambda record: f"made with seed={record['config']['seed']}")
+    assert refused[0] is None and "memory snapshot of step 1 not used: rank 0: made with seed=0" in \
+        capsys.readouterr().out
+
+    take(snapshots(tmp_path, world=2), model, optimizer, 2)  # as if written by a job of 2 ranks
+    assert restored(snapshots(tmp_path))[0] == 1  # step 2's is another world size's: the older slot
+    assert "written at world size 2, this job has 1" in capsys.readouterr().out
+
+
+def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp_path):
+    model, optimizer = trained(seed=0, steps=1)
+    snaps = snapshots(tmp_path / "node")
+    take(snaps, model, optimizer, 1)
+    take(snaps, model, optimizer, 2)
+    record = json.loads(snaps.path(0, 0, ".json").read_text())  # JSON: read without unpickling anything
+    assert record["step"] == 2 and record["run"] == "run-a" and record["crc32"]
+    snaps.remove()
+    assert not (tmp_path / "node").exists()
+
+
+def test_room_is_checked_before_training(tmp_path):
+    assert snapshot.room_problem(tmp_path, 1024) is None
+    problem = snapshot.room_problem(tmp_path, 2**60)
+    assert problem.startswith(f"--snapshot-dir {tmp_path}: the memory tier needs") and "--snapshot-every 0" in problem
+    # Two slots of 12 bytes a parameter: one copy per node for DDP, a rank's share of it for FSDP.
+    assert snapshot.needed_bytes(1000, 4, 4, sharded=False) == 24_000
+    assert snapshot.needed_bytes(1000, 8, 4, sharded=True) == 12_000
