@@ -193,6 +193,7 @@ class Snapshots:
         self.copying = None  # the copy in flight
         self.failed = False  # a copy failed: no more snapshots on this rank
         self.tensors = None  # the live tensors copied at each snapshot, found at the first
+        self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
 
     def path(self, rank, slot, suffix):

@@ -253,7 +253,7 @@ def resume(run, model, optimizer, fused):
                               source="memory")
             print0(f"resuming from step {step} (memory snapshot)")
             return step, step
-    chosen, state = [None], None
+    chosen, state, t0 = [None], None, time.perf_counter()
     if rank == 0:
         _, chosen[0], state = load_newest(run.ckpt_dir, read_checkpoint)
     dist.broadcast_object_list(chosen, src=0)
@@ -263,7 +263,6 @@ def resume(run, model, optimizer, fused):
         seed_rng(cfg.seed, rank)
         print0("no checkpoint, starting fresh")
         return 0, None
-    t0 = time.perf_counter()
     if state is None:
         state = read_checkpoint(chosen[0])
     problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
@@ -409,7 +408,8 @@ def main(cfg):
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
-                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save)
+                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save,
+                snapshot_bytes=snapshots.nbytes if snapshots else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()

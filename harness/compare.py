@@ -9,8 +9,10 @@ Each strategy runs through the real torchrun with the same model, seed, data, st
 once uninterrupted and once with a crash that torchrun recovers. Every figure is read from what the
 scripts wrote (metrics-rank<r>.jsonl, summary.json, the checkpoint folder); none is estimated. The
 theoretical model-state figure is printed next to the measured one, labelled as such.
-A table of its own (straggler(), not with --quick): the parameter server in sync and async mode,
-each with and without one trainer 3x slower, four clean jobs.
+Tables of their own (not with --quick): the memory tier (memory_tier(): ddp and fsdp on the medium
+model with a snapshot every step and without, each uninterrupted and crashed, eight jobs), and the
+parameter server in sync and async mode, each with and without one trainer 3x slower (straggler(),
+four clean jobs).
 """
 import csv
 import importlib.util
@@ -208,6 +210,8 @@ def main(argv=None):
         for strategy in strategies:
             crashed = job(strategy, size, True)
             results["growth"].setdefault(size, {})[strategy] = growth(crashed)
+    if not args.quick:
+        results["memory_tier"] = memory_tier(args.nproc, steps, save_every, crash_step, batch, out, log)
     if "rpc" in strategies and not args.quick and args.nproc >= 3:  # a straggler needs another trainer beside it
         results["straggler"] = straggler(args.nproc, 2 * steps, batch, out, log)
     biggest = max(r["ckpt_bytes"] for r in results["main"].values())
@@ -228,6 +232,8 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {out / 'results.json'}")
     print(render(results, args.format))
+    if "memory_tier" in results and args.format != "json":
+        print("\n" + render_memory_tier(results["memory_tier"], args.format))
     if "straggler" in results and args.format != "json":
         print("\n" + render_straggler(results["straggler"], args.format))
     if args.plot:
@@ -300,6 +306,67 @@ def render(results, form):
     if len(results["growth"]) > 1:
         text += "\n\n" + tabulate(growth, headers=["size", "measure"] + cols, tablefmt=style)
     return text
+
+
+TIER_SIZE = "medium"  # a model whose copy is more than noise next to a step
+TIER_ROWS = [  # (label, key, format)
+    ("median step time", "median_step_s", "ms"), ("step time / the same without the tier", "vs_no_tier", "{:.2f}"),
+    ("loop blocked per snapshot (median)", "snapshot_blocked_s", "ms"),
+    ("snapshot: one slot of the copy (ddp: the node's, fsdp: a rank's shards)", "snapshot_bytes", "mib"),
+    ("load on resume", "load_s", "ms"), ("loaded from", "load_source", "{}"),
+    ("recovery: crash to first step after restart", "recovery_s", "s"), ("steps replayed", "steps_replayed", "{}"),
+    ("resumed digest == uninterrupted", "resumed_digest_equal", "yesno"),
+]
+
+
+def memory_tier(nproc, steps, save_every, crash_step, batch, out, log):
+    """ddp and fsdp on TIER_SIZE with a snapshot every step (the default) and with --snapshot-every 0, each
+    uninterrupted and with --crash-at-step: what the memory tier costs a step, and what it saves a crash."""
+    rows = {}
+    for strategy in ("ddp", "fsdp"):
+        script, _ = COLUMNS[strategy]
+        for every in (1, 0):
+            name = f"{strategy}{'' if every else ', tier off'}"
+            jobs = {}
+            for crash in (False, True):
+                run_dir = out / f"tier-{strategy}-{every}{'-crash' if crash else ''}"
+                subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+                flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch, "--log-every", 1000,
+                         "--preset", TIER_SIZE, "--snapshot-every", every]
+                flags += ["--crash-at-step", crash_step] if crash else []
+                log(f"running {name}{' crash' if crash else ''} ...")
+                jobs[crash] = run_job(name, script, nproc, run_dir, flags, log, restarts=1 if crash else 0)
+            steps_0 = [e for e in jobs[False]["events"] if e["event"] == "step" and e["rank"] == 0]
+            loads = [e for e in jobs[True]["events"] if e["event"] == "load" and e["rank"] == 0]
+            ev = jobs[True]["events"]
+            restarted = min(e["time"] for e in ev if e["event"] == "start" and e["restarts"] > 0)
+            crashed_at = max(e["time"] for e in ev if e["event"] == "step" and e["step"] == crash_step
+                             and e["time"] < restarted)
+            resumed = jobs[True]["summary"]["resumed_from_step"]
+            rows[name] = {
+                "median_step_s": median_or_none(e["step_s"] for e in steps_0),
+                "snapshot_blocked_s": median_or_none(e.get("snapshot_s") for e in steps_0) if every else None,
+                "snapshot_bytes": jobs[False]["summary"].get("snapshot_bytes"),
+                "load_s": loads[-1]["load_s"] if loads else None,
+                "load_source": loads[-1].get("source") if loads else None,
+                "recovery_s": phases(ev, crashed_at).get("total_s"),
+                "steps_replayed": crash_step - resumed if resumed is not None else None,
+                "resumed_digest_equal": jobs[True]["summary"]["param_digest"] == jobs[False]["summary"]["param_digest"],
+            }
+        rows[strategy]["vs_no_tier"] = rows[strategy]["median_step_s"] / rows[f"{strategy}, tier off"]["median_step_s"]
+    return rows
+
+
+def render_memory_tier(rows, form):
+    cols = list(rows)
+    table = [[label] + [fmt(rows[c].get(key), how) for c in cols] for label, key, how in TIER_ROWS]
+    if form == "csv":
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["table", "measure"] + cols] + [["memory tier"] + r for r in table])
+        return buf.getvalue()
+    head = f"The memory tier (a snapshot every step, common/snapshot.py), model {TIER_SIZE}"
+    return head + "\n\n" + tabulate(table, headers=["measure"] + cols,
+                                      tablefmt="github" if form == "markdown" else "simple", disable_numparse=True)
 
 
 STRAGGLER_SIZE, STRAGGLER_FACTOR = "small", 3  # a model whose compute, not RPC, takes most of a trainer's step

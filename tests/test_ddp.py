@@ -1,5 +1,6 @@
 """DDP end to end on CPU with gloo: crashes and restarts under the real torchrun end bitwise equal."""
 import hashlib
+import math
 import os
 import re
 import resource
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from common.checkpoint import checkpoints, lock_run_dir, step_name
 from common.config import parse_config
+from common.data import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
 from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
@@ -159,6 +162,13 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--run-dir", "/etc/hostname/run"], "--run-dir: /etc/hostname/run is not a writable folder"),
     (["--run-dir", "CKPT_IS_A_FILE"], "ckpt is not a writable folder"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    # Token files (common/data.py), each refused before training, the file never read whole.
+    (["--data", "EMPTY.bin"], "is empty"),
+    (["--data", "ODD.bin"], "bytes are an odd count"),
+    (["--data", "WRONG_MAGIC.tokens"], "but its magic is 20240521"),
+    (["--data", "ID_300.bin", "--vocab", "256"], "holds token id 300"),
+    (["--data", "A_FOLDER"], "is a folder"),
+    (["--snapshot-dir", "OTHERS_CAN_WRITE"], "not a folder of this user's alone"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch, capsys):
@@ -169,6 +179,16 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch,
     if "SHORT" in flags:
         (tmp_path / "short.txt").write_text("too short")
         flags = [str(tmp_path / "short.txt") if f == "SHORT" else f for f in flags]
+    files = {"EMPTY.bin": b"", "ODD.bin": b"\x01\x00\x02",
+             "WRONG_MAGIC.tokens": np.array([20240521, 1, 64] + [0] * 253, "<i4").tobytes() + bytes(128),
+             "ID_300.bin": np.array([5, 300] * 100, "<u2").tobytes()}
+    for name in set(files) & set(flags):
+        (tmp_path / name).write_bytes(files[name])
+    for name, mode in (("A_FOLDER", 0o755), ("OTHERS_CAN_WRITE", 0o777)):
+        if name in flags:
+            (tmp_path / name).mkdir()
+            (tmp_path / name).chmod(mode)
+    flags = [str(tmp_path / f) if f in files or f in ("A_FOLDER", "OTHERS_CAN_WRITE") else f for f in flags]
     if "CKPT_IS_A_FILE" in flags:
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "ckpt").write_text("not a folder")
@@ -248,13 +268,18 @@ def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path
     assert "resuming from step 8" in proc.stdout and summary(tmp_path)["steps"] == 16
 
 
-def test_trains_on_a_text_file(tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("It was the best of times, it was the worst of times. " * 50)
-    proc = single(tmp_path / "run", *SMALL, "--steps", 8, "--data", text, "--vocab", 256)
-    assert "no checkpoint, starting fresh" in proc.stdout
+@pytest.mark.parametrize("kind", ["text", "llm.c tokens"])
+def test_trains_on_a_text_file_or_a_token_file(tmp_path, kind):
+    if kind == "text":
+        data, vocab, detected = tmp_path / "corpus.txt", 256, "data: bytes of a text file"
+        data.write_text("It was the best of times, it was the worst of times. " * 50)
+    else:  # what any tokenizer's ids become with common.data.write_tokens (llm.c's header, uint16)
+        data, vocab, detected = tmp_path / "train.tokens", 300, "data: llm.c uint16 GPT-2 tokens"
+        write_tokens(data, [(7 * i) % 300 for i in range(3000)])
+    proc = single(tmp_path / "run", *SMALL, "--steps", 8, "--data", data, "--vocab", vocab)
+    assert "no checkpoint, starting fresh" in proc.stdout and detected in proc.stdout
     result = summary(tmp_path / "run")
-    assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < 5.6  # < ln 256
+    assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < math.log(vocab)
 
 
 def test_sigterm_to_torchrun_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path):
