@@ -233,9 +233,12 @@ def main(argv=None):
     log(f"wrote {out / 'results.json'}")
     print(render(results, args.format))
     if "memory_tier" in results and args.format != "json":
-        print("\n" + render_memory_tier(results["memory_tier"], args.format))
+        print("\n" + render_side_table(results["memory_tier"], TIER_ROWS, "memory tier", f"The memory tier (a snapshot "
+                                        f"every step, common/snapshot.py), model {TIER_SIZE}", args.format))
     if "straggler" in results and args.format != "json":
-        print("\n" + render_straggler(results["straggler"], args.format))
+        print("\n" + render_side_table(results["straggler"], STRAGGLER_ROWS, "straggler", f"The parameter server "
+                                        f"with one trainer {STRAGGLER_FACTOR}x slower (--slow-trainer, the last rank), "
+                                        f"model {STRAGGLER_SIZE}", args.format))
     if args.plot:
         plot(results, out, Path(args.plot), log)
     if not all(r["resumed_digest_equal"] for r in results["main"].values()):
@@ -357,14 +360,14 @@ def memory_tier(nproc, steps, save_every, crash_step, batch, out, log):
     return rows
 
 
-def render_memory_tier(rows, form):
+def render_side_table(rows, specs, name, head, form):
+    """One of the tables beside the main one (memory tier, straggler): `specs` its (label, key, format) rows."""
     cols = list(rows)
-    table = [[label] + [fmt(rows[c].get(key), how) for c in cols] for label, key, how in TIER_ROWS]
+    table = [[label] + [fmt(rows[c].get(key), how) for c in cols] for label, key, how in specs]
     if form == "csv":
         buf = io.StringIO()
-        csv.writer(buf).writerows([["table", "measure"] + cols] + [["memory tier"] + r for r in table])
+        csv.writer(buf).writerows([["table", "measure"] + cols] + [[name] + r for r in table])
         return buf.getvalue()
-    head = f"The memory tier (a snapshot every step, common/snapshot.py), model {TIER_SIZE}"
     return head + "\n\n" + tabulate(table, headers=["measure"] + cols,
                                       tablefmt="github" if form == "markdown" else "simple", disable_numparse=True)
 
@@ -411,19 +414,6 @@ def straggler(nproc, steps, batch, out, log):
             if slow:
                 rows[name]["vs_no_straggler"] = rows[name]["updates_per_s"] / rows[f"rpc {mode}"]["updates_per_s"]
     return rows
-
-
-def render_straggler(rows, form):
-    cols = list(rows)
-    table = [[label] + [fmt(rows[c].get(key), how) for c in cols] for label, key, how in STRAGGLER_ROWS]
-    if form == "csv":
-        buf = io.StringIO()
-        csv.writer(buf).writerows([["table", "measure"] + cols] + [["straggler"] + r for r in table])
-        return buf.getvalue()
-    head = (f"The parameter server with one trainer {STRAGGLER_FACTOR}x slower (--slow-trainer, the last rank), "
-            f"model {STRAGGLER_SIZE}")
-    return head + "\n\n" + tabulate(table, headers=["measure"] + cols,
-                                      tablefmt="github" if form == "markdown" else "simple", disable_numparse=True)
 
 
 def run_name(strategy, size, crash):
