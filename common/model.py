@@ -110,3 +110,9 @@ def model_config(cfg):
 
 def num_params(model):
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def num_params_of(cfg):
+    """The parameters of `cfg`'s model, counted on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        return num_params(Transformer(model_config(cfg)))

@@ -43,7 +43,8 @@ from common.data import StepData, data_problems
 from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
                          set_collective_timeout, setup, teardown)
 from common.faults import Faults
-from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
+from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
+                          num_params_of)
 from common.monitor import (CommTimer, Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
 from common import snapshot
@@ -104,9 +105,7 @@ def check(cfg):
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     problems += [resume] if resume else []
     if not problems:  # room for the memory tier's slots
-        with torch.device("meta"):
-            params = num_params(Transformer(model_config(cfg)))
-        problems += snapshot.tier_problems(cfg, params, sharded=SHARDED)
+        problems += snapshot.tier_problems(cfg, num_params_of(cfg), sharded=SHARDED)
     return problems
 
 
