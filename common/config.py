@@ -79,7 +79,7 @@ RANGES = {
     "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
     "snapshot_every": NON_NEGATIVE, "crash_in_snapshot": POSITIVE,
     "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE,
-    "slow_factor": AT_LEAST_ONE,
+    "slow_factor": AT_LEAST_ONE, "grad_accum": AT_LEAST_ONE, "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE,
 }
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 
@@ -103,6 +103,10 @@ def flag_problems(cfg, data_ranks):
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                         f"{data_ranks} ranks; it is kept fixed across world sizes so that a resume sees the "
                         f"same samples: pick a multiple of {data_ranks}")
+    accum = getattr(cfg, "grad_accum", 1)
+    if not problems and cfg.batch_size // data_ranks % accum:
+        problems.append(f"--grad-accum {accum} does not divide a rank's {cfg.batch_size // data_ranks} rows "
+                        f"(--batch-size {cfg.batch_size} over {data_ranks} ranks) into equal micro-batches")
     return problems
 
 

@@ -174,6 +174,16 @@ class StepData:
 
     def batch(self, step, rank, world_size):
         """(inputs, targets) for this rank at `step` (step = completed optimizer steps before it)."""
+        return self.micro_batches(step, rank, world_size, 1)[0]
+
+    def micro_batches(self, step, rank, world_size, k):
+        """This rank's rows of `step` split into k (inputs, targets) micro-batches of equal size, for
+        gradient accumulation: the step's samples are the same whatever k is."""
         per_rank = self.global_batch // world_size
         rows = self.global_rows(step)[rank * per_rank:(rank + 1) * per_rank]
-        return rows[:, :-1], rows[:, 1:]
+        return [(r[:, :-1], r[:, 1:]) for r in rows.chunk(k)]
+
+    def held_out(self, n, rank, world_size):
+        """n fixed batches that no training step draws (each from a negative step's seed), for evaluation:
+        the same at every evaluation and at every world size."""
+        return [self.batch(-1 - i, rank, world_size) for i in range(n)]

@@ -1,5 +1,5 @@
 """Per-rank metrics as JSON lines: steps (loss, lr, time, tokens/s, MFU, memory, communication) and
-events (save, load, resume, restart, fallback, reshard), in <run-dir>/metrics-rank<r>.jsonl.
+events (save, load, resume, restart, fallback, reshard, eval), in <run-dir>/metrics-rank<r>.jsonl.
 """
 import json
 import math
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 
 def local_bytes(t):
@@ -104,6 +105,21 @@ def mfu(flops, seconds, device):
     return flops / seconds / peak if peak and seconds > 0 else None
 
 
+def eval_loss(model, batches, device, bf16=False):
+    """(the mean loss of `batches` over all ranks, seconds taken), under model.eval() and no_grad: no
+    dropout and no gradient, so no random number is drawn and training goes on exactly as without it."""
+    t0 = time.perf_counter()
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+        total = sum(model(x.to(device), y.to(device)).float() for x, y in batches)
+    model.train()
+    for module in model.modules():  # FSDP2: a no-grad forward leaves the root's gathered weights in place
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    dist.all_reduce(total)
+    return total.item() / (len(batches) * dist.get_world_size()), time.perf_counter() - t0
+
+
 class Monitor:
     def __init__(self, run_dir, rank, device, log_every=10):
         self.rank, self.device, self.log_every = rank, device, log_every
@@ -122,6 +138,11 @@ class Monitor:
             utilisation = f" | mfu {extra['mfu']:.1%}" if extra.get("mfu") is not None else ""
             print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | dt {dt * 1000:6.1f} ms"
                   f" | tok/s {tokens / dt:8.0f}{utilisation} | mem {peak / 2**20:.0f} MiB", flush=True)
+
+    def evaluation(self, step, loss, seconds):
+        self.event("eval", step=step, loss=loss, eval_s=seconds)
+        if self.rank == 0:
+            print(f"eval {step:5d} | val loss {loss:.4f} | {seconds * 1000:.0f} ms", flush=True)
 
     def close(self):
         self.file.close()

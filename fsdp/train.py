@@ -52,7 +52,7 @@ from common.dist import (PREEMPTED, StepGuard, exit_without_finalizing, print0, 
 from common.faults import Faults
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
-from common.monitor import (Monitor, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
+from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
 from common import snapshot
 from fsdp.saving import (FORMAT, REUSE_STAGER, ShardedSave, Writer, describe_staging, load_newest_everywhere,
@@ -78,7 +78,11 @@ class Config:
     dropout: float = 0.0  # dropout; its randomness is in the saved RNG state, so resume stays exact
     tie_head: bool = False  # share the output head with the token embedding
     batch_size: int = 24  # global batch: sequences per optimizer step, split evenly across ranks
+    grad_accum: int = 1  # micro-batches each rank's rows are split into; the gradients are reduce-scattered after the last
     data: str = ""  # a token file (llm.c's or nanoGPT's *.bin) or a text file (bytes); default: the synthetic task
+    val_data: str = ""  # a held-out token file for --eval-every (default: batches of --data no step draws)
+    eval_every: int = 0  # every N steps, print the mean loss of --eval-batches fixed batches of --val-data (0: off)
+    eval_batches: int = 4  # batches of --batch-size sequences per evaluation
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of the cosine decay
     warmup: int = 20  # steps of linear warmup
@@ -115,7 +119,8 @@ def check(cfg):
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir)
-                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
+                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
+                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data") if cfg.val_data else []))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -337,8 +342,13 @@ def main(cfg):
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
-        print0(f"data: {data.format}")
+        print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
         tokens_per_step = cfg.batch_size * cfg.seq_len
+        val_batches = []  # --eval-every: the same held-out batches at every evaluation
+        if cfg.eval_every:
+            val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.val_data or cfg.data or None)
+            val_batches = val.held_out(cfg.eval_batches, rank, world)
+            print0(f"eval: every {cfg.eval_every} steps, {cfg.eval_batches} batches of {val.format}")
 
         # --------------------------------------------------------------------- model and optimizer
         bf16 = cfg.bf16 and device.type == "cuda"
@@ -370,11 +380,15 @@ def main(cfg):
         snapshot_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
         while step < cfg.steps:
             t0 = time.perf_counter()
-            inputs, targets = (t.to(device) for t in data.batch(step, rank, world))
-            loss = model(inputs, targets)
-            loss = faults.poison_loss(loss, step)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # reduce-scatter: each rank ends with the mean gradient of its shard
+            loss = 0.0  # the step's loss: the mean over its micro-batches
+            for i, (inputs, targets) in enumerate(data.micro_batches(step, rank, world, cfg.grad_accum)):
+                # Gradients add up unsharded on each rank; the last backward reduce-scatters them, and each
+                # rank ends with the mean gradient of its shard.
+                model.set_requires_gradient_sync(i == cfg.grad_accum - 1)
+                micro = faults.poison_loss(model(inputs.to(device), targets.to(device)), step) / cfg.grad_accum
+                micro.backward()
+                loss = loss + micro.detach()
             if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             if pending:  # the optimizer must not change weights a save is still copying
@@ -400,6 +414,8 @@ def main(cfg):
 
             guard.shorten_timeout(step_times)
             faults.after_step(step)
+            if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
+                monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
 
             # ----------------------------------------------------------------- checkpoint
             if snapshots and snapshots.due(step):  # copied in a thread while the next step computes

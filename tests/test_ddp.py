@@ -168,6 +168,9 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--data", "WRONG_MAGIC.tokens"], "but its magic is 20240521"),
     (["--data", "ID_300.bin", "--vocab", "256"], "holds token id 300"),
     (["--data", "A_FOLDER"], "is a folder"),
+    (["--val-data", "ODD.bin"], "--val-data "),
+    (["--grad-accum", "5"], "--grad-accum 5 does not divide a rank's 12 rows"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
     (["--snapshot-dir", "OTHERS_CAN_WRITE"], "not a folder of this user's alone"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
