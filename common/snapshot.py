@@ -68,13 +68,15 @@ def tier_problems(cfg, params, sharded):
 
 
 def open_tier(cfg, ckpt_dir, group):
-    """This rank's Snapshots for the run (None, said in one line, where there is no /dev/shm), sharing
-    one copy of the state with the ranks `group`. Every rank calls it: rank 0 reads or creates the run's
-    id and sends it to the others."""
+    """This rank's Snapshots for the run, sharing one copy of the state with the ranks `group`; None,
+    said in one line, on every rank if one has no /dev/shm (the tier's collectives need all of them).
+    Every rank calls it: rank 0 reads or creates the run's id and sends it to the others."""
     if not cfg.snapshot_every:
         return None
-    if folder_of(cfg) is None:
-        print0("memory tier off: no /dev/shm here (pass --snapshot-dir to choose a folder)")
+    have = [None] * dist.get_world_size()
+    dist.all_gather_object(have, folder_of(cfg) is not None)
+    if not all(have):
+        print0(f"memory tier off: no /dev/shm on rank {have.index(False)} (pass --snapshot-dir to choose a folder)")
         return None
     ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
@@ -289,14 +291,18 @@ class Snapshots:
         return views(buf, record["layout"]), record["layout"], rng_from_json(record["rng"])
 
     def remove(self):
-        """Delete this rank's slots (a finished job), and the folder once it is empty."""
+        """Delete the run's snapshots in this folder (a finished job): each rank its own slots, then, once
+        every rank has (a barrier), what is left of the run's (the ranks of an earlier, larger world size,
+        a record's temp file), and the folder once it is empty."""
         self.wait()
-        for path in [*self.folder.glob(f"{self.run}-rank{self.rank}-slot*"),  # and a record's temp file
-                     *self.folder.glob(f".{self.run}-rank{self.rank}-slot*")]:
+        for path in self.folder.glob(f"{self.run}-rank{self.rank}-slot*"):
+            path.unlink(missing_ok=True)
+        dist.barrier()
+        for path in [*self.folder.glob(f"{self.run}-rank*"), *self.folder.glob(f".{self.run}-rank*")]:
             path.unlink(missing_ok=True)
         try:
             self.folder.rmdir()
-        except OSError:  # another rank's slots, or another run's, are still there
+        except OSError:  # another run's snapshots are still there, or another rank removed it first
             pass
 
 

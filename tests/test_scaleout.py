@@ -10,6 +10,7 @@ import time
 import uuid
 
 
+from common import snapshot
 from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import phases
 from conftest import REPO, SMALL, metrics, summary, torchrun, wait_for_step
@@ -76,6 +77,7 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     assert {(e["world_size"], e["resumed_from_step"], e["restarts"]) for e in after if e["event"] == "start"} == {(2, 8, 1)}
     assert {(e["from_world_size"], e["world_size"]) for e in after if e["event"] == "reshard"} == {(4, 2)}
     assert (summary(run)["world_size"], summary(run)["steps"]) == (2, 16)
+    assert not snapshot.default_dir(run).exists()  # the lost ranks' snapshots removed with the survivors'
     # Exactly the uninterrupted 4-rank job's step 8, resumed at 2 ranks.
     reference = tmp_path / "reference"
     shutil.copytree(fsdp_four_ranks / "ckpt" / "step-00000008", reference / "ckpt" / "step-00000008")

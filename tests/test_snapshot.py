@@ -3,6 +3,7 @@ that is torn, damaged, another run's, another configuration's or another world s
 The end-to-end crashes are in test_ddp.py and test_fsdp.py."""
 import functools
 import json
+import types
 
 import pytest
 import torch
@@ -121,8 +122,18 @@ def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp
     take(snaps, model, optimizer, 2)
     record = json.loads(snaps.path(0, 0, ".json").read_text())  # JSON: read without unpickling anything
     assert record["step"] == 2 and record["run"] == "run-a" and record["crc32"]
+    # A rank of a larger world size before an elastic shrink left its slot: the run's files all go.
+    (tmp_path / "node" / "run-a-rank3-slot1.json").write_text("{}")
+    (tmp_path / "node" / "run-a-rank2-slot1-64.bin").write_bytes(bytes(64))
     snaps.remove()
     assert not (tmp_path / "node").exists()
+
+
+def test_the_tier_is_off_on_every_rank_when_one_has_no_dev_shm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(snapshot, "default_dir", lambda run_dir: None)
+    cfg = types.SimpleNamespace(snapshot_every=1, snapshot_dir="", run_dir=str(tmp_path))
+    assert snapshot.open_tier(cfg, tmp_path, range(0, 1)) is None
+    assert "memory tier off: no /dev/shm on rank 0" in capsys.readouterr().out
 
 
 def test_room_is_checked_before_training(tmp_path):
