@@ -17,7 +17,7 @@ import typing
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         # One clear line and exit 2, never a usage dump or a traceback.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        fail(f"{message} (see --help)", prog=self.prog)
 
 
 def _field_help(cls):
@@ -111,8 +111,33 @@ def flag_problems(cfg, data_ranks):
 
 
 def fail(message, prog=None, code=2):
-    """The same one-line error for problems found after parsing: exit 2 for bad input or unusable
-    checkpoints; 3 when a running job stops itself (a diverged loss, a save that failed)."""
-    prog = prog or os.path.basename(sys.argv[0])
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    """The same one-line error for problems found after parsing, then stop(code): 2 for bad input or
+    unusable checkpoints; 3 when a running job stops itself (a diverged loss, a save that failed).
+    Every rank may meet the same problem: the line is printed by each node's first rank (None: none)."""
+    if message is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    stop(code)
+
+
+# Where a worker under torchrun leaves the exit code of a deliberate stop, set by the launcher
+# (harness/launch.py), which exits with it.
+STOP_FILE = "FT_STOP_FILE"
+
+
+def stop(code):
+    """End the process with `code`, a stop that trying again would only repeat (a refused setting, a full
+    disk, a diverged loss). torchrun retries every non-zero exit --max-restarts times, each retraining
+    from the last commit, then prints its failure dump and exits 1; the one status it does not retry
+    is 0. So under torchrun a worker exits 0, after writing `code` to $FT_STOP_FILE where the launcher
+    set it, and without the interpreter's finalization (see common.dist.exit_without_finalizing),
+    which could turn the 0 into a crash."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: the code is the exit status
+        raise SystemExit(code)
+    path = os.environ.get(STOP_FILE)
+    if path:  # the node's ranks may all write it: each renames its own file into place
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            f.write(str(code))
+        os.replace(f"{path}.{os.getpid()}", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -60,8 +60,6 @@ def refuse_unsafe_restarts():
     read by torchrun itself, so a worker cannot set it; it can only refuse to start without it."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        if int(os.environ.get("RANK", "0")) != 0:
-            raise SystemExit(2)
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
@@ -79,7 +77,7 @@ PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it save
 class StepGuard:
     """What the ranks settle together at the end of each step, and the timeout of their collectives.
 
-    One all-reduce carries the loss and whether any rank got SIGTERM (a preemption: Slurm's
+    One all-reduce carries the loss and whether any rank got SIGTERM or SIGUSR1 (a preemption: Slurm's
     --signal, a Kubernetes pod's termination, torchrun's agent shutting down), so every rank stops
     after the same step. Collectives wait `timeout_s` while starting, loading and saving; once 5
     steps are measured, `hang_timeout_s` or 20 steps' time if longer, so that a frozen rank fails
@@ -89,6 +87,7 @@ class StepGuard:
         self.device, self.timeout_s, self.hang_timeout_s = device, timeout_s, hang_timeout_s
         self.step_timeout_s, self.signalled_at = timeout_s, None
         signal.signal(signal.SIGTERM, self._note)
+        signal.signal(signal.SIGUSR1, self._note)  # Slurm's --signal=USR1@SECONDS, passed on by torchrun
 
     def _note(self, *_):
         self.signalled_at = self.signalled_at or time.time()

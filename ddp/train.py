@@ -219,10 +219,8 @@ def finish_save(run, pending, in_loop=True):
         except Exception as e:
             error = e
     if not agree(error is None, run.device):
-        if run.rank == 0:
-            fail(f"saving step {pending.step} failed ({getattr(error, 'strerror', None) or error}): "
-                 "the checkpoints of earlier steps are kept", code=3)
-        raise SystemExit(3)
+        fail(f"saving step {pending.step} failed ({getattr(error, 'strerror', None) or error}): the checkpoints "
+             "of earlier steps are kept" if run.rank == 0 else None, code=3)
     if run.rank == 0:
         prune(run.ckpt_dir, run.cfg.keep, pending.step)
     now = time.perf_counter()
@@ -380,7 +378,7 @@ def main(cfg):
                 snapshot_s += snapshots.wait()
             optimizer.step()
             step += 1
-            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
+            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
                     finish_save(run, pending, in_loop=False)
@@ -408,7 +406,7 @@ def main(cfg):
                     pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
-                print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
+                print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
                 raise SystemExit(PREEMPTED)
 
         # --------------------------------------------------------------------- teardown

@@ -400,7 +400,7 @@ def main(cfg):
                 group["lr"] = lr
             optimizer.step()
             step += 1
-            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank got SIGTERM
+            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
             if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
                 if pending:  # an earlier step's save, of finite weights: let it commit
                     finish_save(run, pending, in_loop=False)
@@ -428,7 +428,7 @@ def main(cfg):
                     pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
-                print0(f"preempted (SIGTERM): step {step} saved, exiting for a restart")
+                print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
                 raise SystemExit(PREEMPTED)
 
         # --------------------------------------------------------------------- teardown

@@ -12,14 +12,22 @@ torchrun shares its rendezvous store with the workers by default; after a restar
 group can then read the failed attempt's addresses and fail to connect or hang (pytorch issues
 135712, 167288). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, read by the agent, gives the workers a store
 of their own, so every launch here sets it.
+
+A deliberate stop (a refused setting, a full disk, a diverged loss) ends a worker under torchrun with
+status 0, the one torchrun does not retry, its real code left in $FT_STOP_FILE (common.config.stop):
+every launch here names a private file for it, and main() and finish() report that code.
 """
+import atexit
+import functools
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -58,24 +66,75 @@ def free_port():
 # launch meet in one round: it must outlast the spread of the agents' start times.
 ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
 
+# The signals torchrun's agent passes on to the workers, which save the step in progress and exit
+# (common.dist.StepGuard): its defaults, and SIGUSR1, which Slurm's --signal=USR1@SECONDS sends.
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+STOP_FILE = "FT_STOP_FILE"  # common.config.STOP_FILE (not imported: nothing here imports torch)
+
 
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
-             is_host=None, node_rank=None, rdzv_conf=None):
+             is_host=None, node_rank=None, rdzv_conf=None, grace_s=None):
     """(command, environment) running `script [--run-dir run_dir] flags` under torchrun. The rendezvous
     is on a free port of this machine, unless the agents of one job on several nodes share `endpoint`
     (host:port) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (`rdzv_conf`, default
     ELASTIC_RDZV_CONF). Agents on one machine all match the endpoint's host: is_host=True/False says
     which one holds the rendezvous store, which dies with it (a job survives the loss of any node but
-    that one)."""
+    that one). `grace_s`: the seconds torchrun gives the workers between the signal it passes on and its
+    SIGKILL (default 30; where this torch's torchrun can change it). The environment names a fresh
+    stop file (exit_code() reads it)."""
     conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            *([f"--node-rank={node_rank}"] if node_rank is not None else []), f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--signals-to-handle={SIGNALS}",
+           *([f"--shutdown-timeout={grace_s}"] if grace_s and has_shutdown_timeout() else []),
            f"--rdzv-endpoint={endpoint or f'localhost:{free_port()}'}", f"--rdzv-id={rdzv_id or uuid.uuid4().hex[:8]}",
            *([f"--rdzv-conf={','.join(conf)}"] if conf else []),
            str(REPO / script), *(["--run-dir", str(run_dir)] if run_dir is not None else []), *map(str, flags)]
-    return cmd, {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    stop_file = stop_folder() / f"stop-{uuid.uuid4().hex}"
+    return cmd, {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", STOP_FILE: str(stop_file), **(env or {})}
+
+
+@functools.cache
+def stop_folder():
+    """This process's private folder for its jobs' stop files, removed when it exits."""
+    folder = Path(tempfile.mkdtemp(prefix="ft-stop-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def exit_code(returncode, env):
+    """A finished job's exit status: the code of a deliberate stop, if a worker left one in the stop
+    file of `env` (torchrun itself then exits 0), else torchrun's. A relaunch may reuse `env`."""
+    path = env.get(STOP_FILE)  # None: a job not launched by torchrun() (run.sh, say)
+    if not path or not os.path.exists(path):
+        return returncode
+    code = int(Path(path).read_text())
+    os.unlink(path)
+    return code
+
+
+def has_shutdown_timeout():
+    """Whether this torch's torchrun takes --shutdown-timeout (2.14 does; 2.11 does not: its agent
+    SIGKILLs the workers 30 s after it passes a signal on). Read from its source: torch not imported."""
+    spec = importlib.util.find_spec("torch.distributed.run")
+    return spec is not None and "--shutdown-timeout" in Path(spec.origin).read_text()
+
+
+def grace_for(run_dir):
+    """The seconds a preempted job needs between the signal and a SIGKILL: three times its slowest save
+    so far (rank 0's save events: the whole write to the commit), and never under torchrun's 30."""
+    path = Path(run_dir) / "metrics-rank0.jsonl"
+    slowest = 0.0
+    if path.is_file():
+        with open(path, errors="replace") as f:
+            for line in f:
+                if '"event": "save"' in line:
+                    try:
+                        slowest = max(slowest, float(json.loads(line).get("total_s") or 0))
+                    except ValueError:  # a line cut short by a crash
+                        continue
+    return max(30, int(3 * slowest + 1))
 
 
 def start(cmd, env, log):
@@ -84,13 +143,14 @@ def start(cmd, env, log):
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.log = Path(log)
+    proc.log, proc.env = Path(log), env
     return proc
 
 
 def finish(proc, deadline):
     """Wait for a job from start() until the deadline; one still running then is hung: kill its whole
-    process group (a SIGSTOPped worker included). Returns (exit code or None, output, hung)."""
+    process group (a SIGSTOPped worker included). Returns (exit code or None, output, hung); the
+    code of a deliberate stop, not torchrun's 0 (exit_code())."""
     try:
         proc.wait(timeout=max(1, deadline - time.time()))
         hung = False
@@ -98,7 +158,8 @@ def finish(proc, deadline):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         hung = True
-    return None if hung else proc.returncode, proc.log.read_text(errors="replace"), hung
+    code = exit_code(proc.returncode, proc.env)
+    return None if hung else code, proc.log.read_text(errors="replace"), hung
 
 
 def problems(run_dir, code, output, restarts=0):
@@ -160,9 +221,9 @@ def load_script(path):
 
 
 def preflight(script, world, flags, local_world=None):
-    """Check a job's flags once, before torchrun starts workers that would each fail and be retried
-    --max-restarts times: exit 2 with one line if the script's check(cfg) finds a problem at world
-    size `world` (`local_world` ranks on this node), or if a running job holds the run folder."""
+    """Check a job's flags once, before torchrun starts workers that would each refuse them: exit 2 with
+    one line if the script's check(cfg) finds a problem at world size `world` (`local_world` ranks on
+    this node), or if a running job holds the run folder. Returns the parsed config."""
     from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
@@ -179,22 +240,31 @@ def preflight(script, world, flags, local_world=None):
             del os.environ[name]
         else:
             os.environ[name] = value
+    return cfg
 
 
 def main(argv):
-    """[--preflight] SCRIPT NPROC [flags]: exec torchrun with the settings of the environment (see the
-    docstring above); run.sh has checked NPROC and NNODES."""
+    """[--preflight] SCRIPT NPROC [flags]: run torchrun with the settings of the environment (see the
+    docstring above) and exit with its status, or with a deliberate stop's code; run.sh has checked
+    NPROC and NNODES. The signals a scheduler sends this process go on to torchrun, which gives the
+    workers grace_for(the run folder) seconds to save (SHUTDOWN_TIMEOUT: another)."""
     checked = argv[:1] == ["--preflight"]
     script, nproc, *flags = argv[1:] if checked else argv
     nnodes = os.environ.get("NNODES") or "1"
+    run_dir = None
     if checked:  # an elastic job is checked at its largest world size (MAX nodes)
-        preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags, int(nproc))
+        run_dir = preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags, int(nproc)).run_dir
+    grace_s = int(os.environ.get("SHUTDOWN_TIMEOUT") or (grace_for(run_dir) if run_dir else 30))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),
                         endpoint=os.environ.get("RDZV_ENDPOINT") or "localhost:0",
                         rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
-                        rdzv_conf=os.environ.get("RDZV_CONF"))
-    os.execvpe(cmd[0], cmd, env)
+                        rdzv_conf=os.environ.get("RDZV_CONF"), grace_s=grace_s)
+    # torchrun in a session of its own: a terminal's Ctrl-C reaches it once, through here.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+        signal.signal(sig, lambda number, _: proc.send_signal(number))
+    sys.exit(exit_code(proc.wait(), env))
 
 
 if __name__ == "__main__":

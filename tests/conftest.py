@@ -23,13 +23,15 @@ DROPOUT = ["--dropout", "0.1"]
 
 def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None):
     """Run `script` under torchrun (harness/launch.py: a free rendezvous port of its own, the restart-safe
-    environment); returns the CompletedProcess.
+    environment); returns the CompletedProcess, whose returncode is a deliberate stop's code if a worker
+    left one (torchrun itself exits 0 then: common.config.stop).
 
     With check=True the job must exit 0 after exactly `restarts` torchrun restarts (as its summary.json
     counts them), and with restarts=0 print no Traceback: torchrun's restarts would otherwise hide a
     crash behind the right digest. A test that injects a crash says how many restarts it causes."""
     cmd, env = launch.torchrun(script, nproc, run_dir, flags, max_restarts=max_restarts, env=env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc.returncode = launch.exit_code(proc.returncode, env)  # a deliberate stop's code, as run.sh reports it
     if check:
         wrong = launch.problems(run_dir, proc.returncode, proc.stdout + proc.stderr, restarts)
         assert not wrong, f"{' '.join(cmd)}\n{'; '.join(wrong)}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

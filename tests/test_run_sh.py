@@ -1,4 +1,5 @@
 """run.sh itself: it uses the machine's torch, installs only what a mode lacks, and checks elastic jobs."""
+import json
 import os
 import shutil
 import subprocess
@@ -6,6 +7,7 @@ import sys
 
 import pytest
 
+from harness import launch
 from conftest import REPO
 
 
@@ -68,3 +70,16 @@ def test_a_bad_launch_setting_is_one_line_before_anything_starts(env, line):
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2"], cwd=REPO, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stderr == f"run.sh: {line}\n"
+
+
+def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigkill(tmp_path):
+    assert launch.grace_for(tmp_path) == 30  # nothing measured yet: torchrun's own 30 s
+    events = [{"event": "step", "step": 1, "step_s": 0.1}, {"event": "save", "step": 50, "total_s": 4.2},
+              {"event": "save", "step": 100, "total_s": 14.6}]
+    (tmp_path / "metrics-rank0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "sa')
+    assert launch.grace_for(tmp_path) == 44  # the line a crash cut short is skipped
+    cmd, env = launch.torchrun("ddp/train.py", 2, tmp_path, grace_s=44)
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
+    # torch 2.14's torchrun has the flag, 2.11's does not (its agent waits 30 s, always).
+    assert ("--shutdown-timeout=44" in cmd) == launch.has_shutdown_timeout()
+    assert launch.exit_code(0, env) == 0  # no worker left a stop's code
