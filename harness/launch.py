@@ -70,6 +70,7 @@ ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_ti
 # (common.dist.StepGuard): its defaults, and SIGUSR1, which Slurm's --signal=USR1@SECONDS sends.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 STOP_FILE = "FT_STOP_FILE"  # common.config.STOP_FILE (not imported: nothing here imports torch)
+PREEMPTED = 143  # common.dist.PREEMPTED: saved, expects a relaunch
 
 
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
@@ -261,10 +262,18 @@ def main(argv):
                         rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
                         rdzv_conf=os.environ.get("RDZV_CONF"), grace_s=grace_s)
     # torchrun in a session of its own: a terminal's Ctrl-C reaches it once, through here.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc, signalled = subprocess.Popen(cmd, env=env, start_new_session=True), []
+
+    def pass_on(number, _):
+        signalled.append(number)
+        proc.send_signal(number)
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-        signal.signal(sig, lambda number, _: proc.send_signal(number))
-    sys.exit(exit_code(proc.wait(), env))
+        signal.signal(sig, pass_on)
+    code = exit_code(proc.wait(), env)
+    # Preempted: the workers saved their step (or, cut short, left the previous commit) and exited 143;
+    # torchrun, signalled too, exits 1. A scheduler's script requeues on 143 (README: Slurm).
+    sys.exit(PREEMPTED if signalled and code not in (0, 2, 3) else code)
 
 
 if __name__ == "__main__":

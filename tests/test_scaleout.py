@@ -2,6 +2,7 @@
 pair; an elastic job that loses a node, and one that gains one); and the cluster launch files the README
 gives."""
 import json
+import os
 import re
 import shutil
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import time
 import uuid
 
+import pytest
 
 from common import snapshot
 from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
@@ -126,10 +128,39 @@ def readme_block(language, marker):
     return next(b for b in blocks if marker in b.splitlines()[0])
 
 
-def test_slurm_batch_script_in_readme_is_valid_bash(tmp_path):
+# Stand-ins for Slurm's commands, for the README's batch file: srun runs a step that, like run.sh's
+# workers, saves and exits 143 on SIGTERM (or exits $STEP_EXIT at once); scancel signals the steps, as
+# `scancel --signal=TERM JOBID` does; scontrol names the node and records a requeue.
+STAND_INS = {
+    "srun": 'echo $$ > "$STATE/step.pid"\n[ -n "${STEP_EXIT:-}" ] && exit "$STEP_EXIT"\n'
+            'trap \'echo saved >> "$STATE/log"; exit 143\' TERM\ntouch "$STATE/ready"\nsleep 120 & wait $!\n',
+    "scancel": 'echo "scancel $*" >> "$STATE/log"\nkill -TERM "$(cat "$STATE/step.pid")"\n',
+    "scontrol": '[ "$1" = show ] && echo node0 || echo "scontrol $*" >> "$STATE/log"\n',
+}
+
+
+@pytest.mark.parametrize("signal_to, step_exit, code, log", [
+    ("batch shell", None, 143, ["scancel --signal=TERM 42", "saved", "scontrol requeue 42"]),  # --signal=B:TERM@60
+    ("steps", None, 143, ["saved", "scontrol requeue 42"]),  # scancel --signal=TERM 42: the steps only
+    (None, 3, 3, []),  # a stop (a full disk): not requeued
+])
+def test_the_readme_slurm_file_saves_the_step_and_requeues_whichever_way_the_signal_comes(
+        tmp_path, signal_to, step_exit, code, log):
     script = tmp_path / "train.sbatch"
     script.write_text(readme_block("bash", "#!/bin/bash"))
-    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "srun" in script.read_text() and "bash run.sh fsdp" in script.read_text()
-
+    assert "bash run.sh fsdp" in script.read_text()
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir(), state.mkdir()
+    for name, body in STAND_INS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(state), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", **({"STEP_EXIT": str(step_exit)} if step_exit else {})}
+    batch = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env)
+    if signal_to:
+        while not (state / "ready").exists():  # the step is up, its trap set
+            assert batch.poll() is None, "the batch file ended before its step started"
+            time.sleep(0.01)
+        os.kill(batch.pid if signal_to == "batch shell" else int((state / "step.pid").read_text()), signal.SIGTERM)
+    assert batch.wait(timeout=30) == code
+    assert ((state / "log").read_text().splitlines() if (state / "log").exists() else []) == log
