@@ -139,23 +139,30 @@ def lr_at(cfg, step):
 
 
 # ----------------------------------------------------------------------------- model
-def scatter_from_rank0(model, full_state):
-    """Give every rank its shard of each parameter from the full state dict that rank 0 holds: FSDP
+def scatter_from_rank0(model, full):
+    """Give every rank its shard of each parameter of `full`, the seeded model that rank 0 holds: FSDP
     shards dim 0 as torch.chunk does, so rank r gets rows [r*n, (r+1)*n) with n = ceil(rows / world).
     Rank 0 pads each tensor to world*n rows so that the chunks are equal, as scatter needs; the other
-    ranks receive only a shard's bytes, never a full tensor."""
+    ranks receive only a shard's bytes, never a full tensor. Buffers are not sharded: rank 0 sends each
+    whole, persistent or not (to_empty left them uninitialised; a rotary embedding's table, say)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for name, param in model.state_dict().items():  # DTensors: the local shard and the global shape
+    params = dict(full.named_parameters()) if rank == 0 else {}
+    for name, param in model.named_parameters():  # DTensors: the local shard and the global shape
         local, rows = param.to_local(), -(-param.shape[0] // world)
         shard = torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=local.device)
         chunks = None
         if rank == 0:
             padded = torch.zeros((rows * world, *param.shape[1:]), dtype=param.dtype, device=local.device)
-            padded[:param.shape[0]] = full_state[name]
+            padded[:param.shape[0]] = params[name].detach()
             chunks = list(padded.chunk(world))
         dist.scatter(shard, chunks, src=0)
         with torch.no_grad():
             local.copy_(shard[:local.shape[0]])
+    buffers = dict(full.named_buffers()) if rank == 0 else {}
+    for name, buffer in model.named_buffers():
+        if rank == 0:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
 
 
 def build_model(cfg, mesh, device, bf16, monitor):
@@ -178,8 +185,7 @@ def build_model(cfg, mesh, device, bf16, monitor):
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
     baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
-    scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed).state_dict() if dist.get_rank() == 0
-                       else None)
+    scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed) if dist.get_rank() == 0 else None)
     # Peak memory of construction above what the process held before it: shards, plus on rank 0 the full CPU copy.
     monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
                   full_model_bytes=4 * num_params(model))

@@ -1,0 +1,33 @@
+"""A team's own model, swapped in by the README's recipe, in a copy of the scripts as a user would make
+it: FSDP's meta build gives it the seeded weights and buffers, and a crash resumes bitwise."""
+import shutil
+
+import pytest
+
+from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """ddp/, fsdp/ and common/ copied, common/model.py's Transformer replaced by tests/other_model.py's."""
+    root = tmp_path_factory.mktemp("your-project")
+    for folder in ("ddp", "fsdp", "common"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    model = root / "common" / "model.py"
+    model.write_text(model.read_text() + "\n\n" + (REPO / "tests" / "other_model.py").read_text())
+    return root
+
+
+def test_fsdp_builds_the_swapped_model_with_its_buffers_and_resumes_it_bitwise(tmp_path, project):
+    flags = [*SMALL, *DROPOUT]
+    ddp = torchrun(project / "ddp" / "train.py", 2, tmp_path / "ddp", *flags)
+    assert "model: 26,784 parameters" in ddp.stdout  # the rotary model's count (a tied head), not the first's
+    fsdp = tmp_path / "fsdp"
+    torchrun(project / "fsdp" / "train.py", 2, fsdp, *flags)
+    # The first step's loss comes from the weights and buffers before any update: FSDP's, built on the
+    # meta device and scattered by rank 0, are DDP's (a buffer left as to_empty made it would differ).
+    first = [metrics(run, 0, "step")[0]["loss"] for run in (tmp_path / "ddp", fsdp)]
+    assert first[0] == pytest.approx(first[1], rel=1e-6, abs=0)
+    crashed = tmp_path / "crashed"
+    torchrun(project / "fsdp" / "train.py", 2, crashed, *flags, "--crash-at-step", 10, restarts=1)
+    assert summary(crashed)["param_digest"] == summary(fsdp)["param_digest"]
