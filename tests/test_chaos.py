@@ -5,16 +5,16 @@ import json
 from harness.chaos import KINDS
 from conftest import run_sh
 
-# Every kind on the smallest job it allows (--ranks 1; sigstop takes 2, as only a peer notices a hang;
-# it freezes an FSDP rank with an async save on, whose save group has a timeout of its own too).
-# sigstop comes first: it mostly waits (its peer's timeout, then torchrun's 30 s before its SIGKILL)
-# while the other slot of --jobs 2 runs the rest. node-lost, preempt and crash-at-step have tests of
-# their own in the suite (test_scaleout.py; test_ddp.py's SIGTERM and docstring-launch tests), so the
-# soak leaves them to `bash run.sh chaos`. A save killed before its commit: here synchronous on DDP;
-# test_ddp.py and test_fsdp.py kill their async saves.
-OWN_TESTS = {"node-lost", "preempt", "crash-at-step"}
-PLAN = ["sigstop:fsdp-async", "sigkill:ddp", "sigterm:fsdp-async", "crash-in-save:ddp", "two-faults:ddp",
-        "damage-newest:ddp", "transient-read:fsdp-async", "async-in-flight:fsdp-async"]
+# The kinds without a test of their own, each on the smallest job it allows (--ranks 1; sigstop takes
+# 2, as only a peer notices a hang; it freezes an FSDP rank with an async save on, whose save group has
+# a timeout of its own too). sigstop comes first: it mostly waits (its peer's timeout, then torchrun's
+# 30 s before its SIGKILL) while the other slot of --jobs 2 runs the rest. The others have tests of
+# their own in the suite, and `bash run.sh chaos` runs them all: node-lost (test_scaleout.py), preempt
+# and crash-at-step (test_ddp.py's preemption and docstring-launch tests), crash-in-save
+# (test_ddp.py, test_rpc.py), async-in-flight (test_fsdp.py), damage-newest (test_ddp.py's truncated
+# checkpoint).
+OWN_TESTS = {"node-lost", "preempt", "crash-at-step", "crash-in-save", "async-in-flight", "damage-newest"}
+PLAN = ["sigstop:fsdp-async", "sigkill:ddp", "sigterm:fsdp-async", "two-faults:ddp", "transient-read:fsdp-async"]
 
 
 def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_path):
@@ -28,10 +28,9 @@ def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_pat
         assert t["fired"] and t["recovered"] and t["digest_equal"] and t["passed"], t
         assert t["bad_loads"] == 0 and not t["hung"] and t["restarts"] == t["expected_restarts"], t
     assert all(t["kept"] for t in trials if t["kind"] == "transient-read")
-    assert all(t["in_flight"] for t in trials if t["kind"] == "async-in-flight")
     # Recovery time in its phases, wherever a fault was followed by a restart or a relaunch.
     timed = [t for t in trials if t["expected_restarts"]]
-    assert len(timed) == 6
+    assert len(timed) == 4
     for t in timed:
         assert t["recovery_s"] > t["detect_s"] > 0 and t["restart_s"] > 0 and t["vs_cold_start"] > 0, t
 

@@ -1,4 +1,4 @@
-"""The comparison runner end to end (`bash run.sh compare 4 --quick`, then the targets read from its JSON), and tests/save_bench.py."""
+"""The comparison runner end to end (`bash run.sh compare 2 --quick`, then the targets read from its JSON), and tests/save_bench.py."""
 import json
 import subprocess
 import sys
@@ -11,9 +11,9 @@ from conftest import REPO, run_sh
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    # The parameter server's columns are left out here (they cost two 4-process jobs): tests/test_rpc.py
-    # checks its crashes; `bash run.sh compare 4` measures it.
-    proc = run_sh("compare", 4, "--quick", "--strategies", "ddp,fsdp,fsdp --async-save", "--format", "markdown",
+    # The parameter server's columns are left out here: tests/test_rpc.py checks its crashes; `bash run.sh
+    # compare 4` measures it. At 2 ranks, not the README's 4: on 2 cores the jobs start in half the time.
+    proc = run_sh("compare", 2, "--quick", "--strategies", "ddp,fsdp,fsdp --async-save", "--format", "markdown",
                   "--out", out, "--plot", out / "figures", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| model state / rank (measured)" in proc.stdout  # the table was printed
@@ -30,12 +30,12 @@ def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(result
         assert row["steps_replayed"] > 0 and row["recovery_s"] > 0 and row["load_s"] > 0
 
 
-def test_fsdp_holds_at_most_030_of_ddp_model_state_per_rank_at_4_ranks(results):
+def test_fsdp_holds_at_most_055_of_ddp_model_state_per_rank_at_2_ranks(results):
     ddp, fsdp = results["main"]["ddp"], results["main"]["fsdp"]
-    assert results["meta"]["world_size"] == 4
+    assert results["meta"]["world_size"] == 2
     # 16 bytes per parameter, replicated, plus AdamW's step counters (4 bytes per parameter tensor)
     assert ddp["state_bytes_theory"] <= ddp["state_bytes_per_rank"] <= 1.001 * ddp["state_bytes_theory"]
-    assert fsdp["state_bytes_per_rank"] <= 0.30 * ddp["state_bytes_per_rank"]
+    assert fsdp["state_bytes_per_rank"] <= 0.55 * ddp["state_bytes_per_rank"]
 
 
 def test_async_save_blocks_the_loop_for_a_fraction_of_a_synchronous_save(results):
@@ -66,7 +66,7 @@ def test_ratios_to_the_disk_and_to_ddp_and_memory_are_measured_for_every_column(
 
 def test_results_record_where_they_were_measured(results):
     meta = results["meta"]
-    assert meta["command"].startswith("bash run.sh compare 4 --quick")
+    assert meta["command"].startswith("bash run.sh compare 2 --quick")
     assert {"torch", "python", "device", "cpus", "world_size"} <= set(meta)
     assert results["disk_reference_bytes_per_s"] > 0
 
