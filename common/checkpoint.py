@@ -1,7 +1,7 @@
 """Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup,
 keep-last-K, moving unreadable checkpoints aside, the run folder (its lock, the check that it is
 writable, and the check that no one else could have written its checkpoints), the settings check on
-resume, RNG capture, and the parameter digest.
+resume, RNG capture, the parameter digest, and the disk interval by Young and Daly's rule.
 
 What a checkpoint contains, its format version, and how it is restored stay in each script.
 
@@ -15,6 +15,7 @@ import fcntl
 import grp
 import hashlib
 import json
+import math
 import os
 import pwd
 import random
@@ -22,11 +23,13 @@ import re
 import shutil
 import socket
 import stat
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
@@ -149,7 +152,8 @@ def move_aside(path, why):
 def lock_run_dir(run_dir):
     """Hold an exclusive lock on the run folder for the life of this process, or return None if
     another job holds it. The OS drops a dead process's lock, so a crash never leaves it stale."""
-    f = open(Path(run_dir) / ".lock", "a+")
+    # Never through a link: opened so, a .lock linked to another file would be truncated below.
+    f = os.fdopen(os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -189,7 +193,13 @@ def writable(folder, create=True):
 
 def run_dir_problems(run_dir, export=""):
     """['--run-dir: ... is not a writable folder (why)'] if the run folder, its ckpt/ or the folder of
-    the file --export names cannot take files, else []."""
+    the file --export names cannot take files, or its .lock is not a plain file, or --export names a
+    folder; else []."""
+    lock = Path(run_dir) / ".lock"
+    if lock.is_symlink() or (lock.exists() and not lock.is_file()):
+        return [f"--run-dir: {lock} is not a plain file (a link or a folder): remove it"]
+    if export and os.path.isdir(export):
+        return [f"--export {export} is a folder: name the file to write"]
     folders = [("--run-dir", run_dir, True), ("--run-dir", os.path.join(run_dir, "ckpt"), True)]
     if export:
         folders.append(("--export", os.path.dirname(os.path.abspath(export)), False))
@@ -271,9 +281,15 @@ def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=F
     `changes` lists the settings that differ ("lr 0.003 -> 0.01"). A change of `shape_fields` (the
     model's weights would not fit) is always refused; a change of `sample_fields` (which samples a
     step sees: seed, batch, data) unless `allow_changes`."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        return "not a checkpoint of these scripts (no config in it); use another --run-dir", []
     if saved.get("format") != fmt:
         return f"checkpoint format {saved.get('format')}, this script reads format {fmt}; use another --run-dir", []
     old, new = saved["config"], dataclasses.asdict(cfg)
+    foreign = sorted(set(old) - set(new))  # settings this script does not have: another script wrote it
+    if foreign and not allow_changes:
+        return (f"checkpoint was written by another script (or version): its settings include "
+                f"{', '.join(foreign[:4])}, which this one does not have; use another --run-dir"), []
     changed = [k for k in new if k != "run_dir" and k in old and old[k] != new[k]]
     changes = [f"{k} {old[k]} -> {new[k]}" for k in changed]
     shape = [k for k in changed if k in shape_fields]
@@ -293,6 +309,10 @@ def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_f
     `read_saved(path)` returns a checkpoint's saved record; unreadable ones are skipped (the resume
     falls back past them)."""
     for _, path in checkpoints(ckpt_dir):
+        locked = next((f for f in [path, *(path.rglob("*") if path.is_dir() else [])]
+                       if not os.access(f, os.R_OK | (os.X_OK if f.is_dir() else 0))), None)
+        if locked:  # not damage: the resume would take it for damaged and move it aside
+            return f"{locked}: cannot read it (permission denied): fix its permissions, nothing was moved"
         try:
             saved = read_saved(path)
         except Exception:
@@ -353,3 +373,29 @@ def load_newest(ckpt_dir, load):
             return step, path, obj
         unreadable.append(path)
     return None, None, None
+
+
+def young_daly_steps(save_s, step_s, mtbf_h, device):
+    """(steps, save_s, step_s, seconds): the disk interval that loses the least expected time to saving
+    and to replaying after a failure, sqrt(2 x a save's cost x the mean time between failures) (Young
+    1974, Daly 2006), in whole steps. The ranks take the largest of their measurements: a save is
+    collective, so they must all choose the same interval."""
+    measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    save_s, step_s = measured.tolist()
+    seconds = math.sqrt(2 * save_s * mtbf_h * 3600)
+    return max(1, round(seconds / step_s)), save_s, step_s, seconds
+
+
+FIRST_AUTO_SAVE = 10  # --save-every 0: the step of the first save, whose cost sets the interval
+
+
+def auto_save_every(save_s, step_times, cfg, device):
+    """--save-every 0: the disk interval (young_daly_steps) after a save that blocked the loop `save_s`,
+    with this attempt's median step time and --mtbf-h; printed after each save, with its numbers."""
+    steps, save_s, step_s, seconds = young_daly_steps(save_s, statistics.median(step_times[-50:]), cfg.mtbf_h,
+                                                      device)
+    if dist.get_rank() == 0:
+        print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {cfg.mtbf_h} h between "
+              f"failures) = {seconds:.2f} s, at {step_s * 1000:.2f} ms a step (Young and Daly)", flush=True)
+    return steps

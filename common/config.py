@@ -72,10 +72,12 @@ NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
 ANY_INT = ("any integer", lambda v: True)
 AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
+SEED = ("must be in [0, 2^32)", lambda v: 0 <= v < 2**32)  # the data's seeds are seed * 1_000_003 + step
+SECONDS = ("must be in (0, 604800] (a week)", lambda v: 0 < v <= 604800)  # a timedelta, a socket timeout
 RANGES = {
-    "steps": POSITIVE, "save_every": POSITIVE, "keep": POSITIVE, "seed": NON_NEGATIVE, "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
-    "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": POSITIVE, "hang_timeout_s": POSITIVE,
-    "straggler_timeout": POSITIVE, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
+    "steps": POSITIVE, "save_every": NON_NEGATIVE, "mtbf_h": POSITIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS, "hang_timeout_s": SECONDS,
+    "straggler_timeout": SECONDS, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
     "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
     "snapshot_every": NON_NEGATIVE, "crash_in_snapshot": POSITIVE,
     "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE,

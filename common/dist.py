@@ -1,5 +1,5 @@
 """Distributed setup in a few visible lines: device, backend and process group; ranks that agree (a
-flag, the loss and a stop); collective timeouts; teardown and print0."""
+flag, the loss and a stop); collective timeouts; a lost peer in one line; teardown and print0."""
 import contextlib
 import datetime
 import os
@@ -8,11 +8,22 @@ import socket
 import statistics
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from common.config import fail
+
+
+def device_problems(choice):
+    """[a line] if --device cuda cannot give each of this node's ranks a GPU (pick_device would raise)."""
+    local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if choice == "cuda" and gpus < local:
+        return [f"--device cuda needs a GPU for each of this node's {local} ranks, found {gpus} "
+                "(--device auto uses the CPU then)"]
+    return []
 
 
 def pick_device(choice, local_rank, local_world_size):
@@ -129,6 +140,31 @@ def exit_without_finalizing():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
+# answers by restarting the workers.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "Timed out", "timed out")
+
+
+@contextlib.contextmanager
+def peer_loss_in_one_line(run_dir):
+    """A collective that fails because a peer died or hung (a crash that torchrun recovers from): one
+    line, and the traceback in <run-dir>/traceback-rank<r>.txt, instead of 40 lines on the console
+    that read like a disaster. Exit 1, so that torchrun restarts the workers. Other errors as they are."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo's errors are RuntimeErrors; NCCL's DistBackendError is one too
+        reason = next((phrase for phrase in PEER_LOST if phrase in str(e)), None)
+        if reason is None:
+            raise
+        rank, path = os.environ.get("RANK", "0"), Path(run_dir) / f"traceback-rank{os.environ.get('RANK', '0')}.txt"
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, restart {restarts()}\n{traceback.format_exc()}")
+        print(f"rank {rank}: peer lost ({reason}); torchrun will restart the workers (traceback: {path})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def teardown():

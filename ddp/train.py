@@ -36,13 +36,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
-                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
+from common.checkpoint import (FIRST_AUTO_SAVE, atomic_save, atomic_write_json, auto_save_every, checkpoints,
+                               load_newest, lock_run_dir, newest_resume_problem, ownership_problems, param_digest,
+                               prune, resume_problem, rng_state, run_dir_problems, seed_rng, set_rng_state,
+                               step_name)
 from common.config import fail, flag_problems, parse_config
 from common.data import StepData, data_problems
-from common.dist import (PREEMPTED, StepGuard, agree, exit_without_finalizing, print0, restarts,
-                         set_collective_timeout, setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, agree, device_problems, exit_without_finalizing,
+                         peer_loss_in_one_line, print0, restarts, set_collective_timeout, setup, teardown)
 from common.faults import Faults
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
@@ -57,7 +58,8 @@ class Config:
     """DDP training with an atomic rank-0 checkpoint and auto-resume."""
     steps: int = 200  # total optimizer steps of the job (a resumed job runs up to this)
     run_dir: str = "runs/ddp"  # holds ckpt/, metrics-rank<r>.jsonl and summary.json
-    save_every: int = 50  # save a checkpoint every N steps, and at the last step
+    save_every: int = 50  # save a checkpoint every N steps, and at the last step (0: N by Young and Daly's rule, see --mtbf-h)
+    mtbf_h: float = 3.0  # --save-every 0: hours between the failures a disk save covers (3: about Llama 3's, 16k GPUs)
     keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
@@ -102,7 +104,7 @@ SHARDED = False  # every rank holds the whole state: the memory tier keeps one c
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
-    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1))) + device_problems(cfg.device)
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data") if cfg.val_data else []))
@@ -356,6 +358,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         step_times, pending = [], None
+        save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
         snapshot_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -399,11 +402,14 @@ def main(cfg):
             if snapshots and snapshots.due(step):  # copied in a thread while the next step computes
                 snapshot_s = snapshots.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(),
                                              faults.in_snapshot(step))
-            if step % cfg.save_every == 0 or step == cfg.steps or stop:
+            if step % save_every == 0 or step == cfg.steps or stop:
+                t_save = time.perf_counter()
                 with guard.patient():  # the other ranks may wait while rank 0 writes or prunes
                     if pending:  # one save in flight at a time: the previous one commits first
                         pending = finish_save(run, pending)
                     pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
+                if not cfg.save_every:  # the interval from what this save cost the loop
+                    save_every = auto_save_every(time.perf_counter() - t_save, step_times, cfg, device)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
@@ -432,5 +438,7 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, check, presets=PRESETS))
+    cfg = parse_config(Config, check, presets=PRESETS)
+    with peer_loss_in_one_line(cfg.run_dir):  # a crashed peer: one line here, the traceback in a file
+        main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

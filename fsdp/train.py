@@ -42,13 +42,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, fsync_dir, lock_run_dir, move_aside,
-                               newest_resume_problem, ownership_problems, param_digest, prune, remove, resume_problem,
-                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
+from common.checkpoint import (FIRST_AUTO_SAVE, atomic_save, atomic_write_json, auto_save_every, checkpoints,
+                               fsync_dir, lock_run_dir, move_aside, newest_resume_problem, ownership_problems,
+                               param_digest, prune, remove, resume_problem, rng_state, run_dir_problems, seed_rng,
+                               set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
 from common.data import StepData, data_problems
-from common.dist import (PREEMPTED, StepGuard, exit_without_finalizing, print0, restarts, set_collective_timeout,
-                         setup, teardown)
+from common.dist import (PREEMPTED, StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line,
+                         print0, restarts, set_collective_timeout, setup, teardown)
 from common.faults import Faults
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
@@ -65,7 +66,8 @@ class Config:
     """FSDP2 training with a sharded distributed checkpoint, auto-resume and resharding."""
     steps: int = 200  # total optimizer steps of the job (a resumed job runs up to this)
     run_dir: str = "runs/fsdp"  # holds ckpt/, metrics-rank<r>.jsonl and summary.json
-    save_every: int = 50  # save a checkpoint every N steps, and at the last step
+    save_every: int = 50  # save a checkpoint every N steps, and at the last step (0: N by Young and Daly's rule, see --mtbf-h)
+    mtbf_h: float = 3.0  # --save-every 0: hours between the failures a disk save covers (3: about Llama 3's, 16k GPUs)
     keep: int = 3  # committed checkpoints kept; older ones are deleted after each save
     seed: int = 0  # seeds the weights, the data and each rank's RNG
     device: str = "auto"  # auto (a GPU per local rank if there are enough, else CPU), cpu or cuda
@@ -116,7 +118,7 @@ SHARDED = True  # each rank holds 1/world of the state: so does its memory tier
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
-    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1))) + device_problems(cfg.device)
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
@@ -383,6 +385,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         step_times, pending = [], None  # pending: the async save in flight, if any
+        save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
         snapshot_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -427,11 +430,14 @@ def main(cfg):
             if snapshots and snapshots.due(step):  # copied in a thread while the next step computes
                 snapshot_s = snapshots.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(),
                                              faults.in_snapshot(step))
-            if step % cfg.save_every == 0 or step == cfg.steps or stop:
+            if step % save_every == 0 or step == cfg.steps or stop:
+                t_save = time.perf_counter()
                 with guard.patient():
                     if pending:  # one save in flight at a time: the previous one commits first
                         finish_save(run, pending)
                     pending = save(run, step, model, optimizer, asynchronous=cfg.async_save and not stop)
+                if not cfg.save_every:  # the interval from what this save cost the loop
+                    save_every = auto_save_every(time.perf_counter() - t_save, step_times, cfg, device)
             if stop and step < cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
                 monitor.event("preempted", step=step, signalled_at=guard.signalled_at)
                 print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
@@ -465,5 +471,7 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, check, presets=PRESETS))
+    cfg = parse_config(Config, check, presets=PRESETS)
+    with peer_loss_in_one_line(cfg.run_dir):  # a crashed peer: one line here, the traceback in a file
+        main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

@@ -56,7 +56,7 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load
                                rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
 from common.config import fail, flag_problems, parse_config
 from common.data import StepData, data_problems
-from common.dist import exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts
+from common.dist import device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -112,12 +112,14 @@ def check(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
-    problems = (model_problems(cfg) + flag_problems(cfg, world - 1)  # the trainers split the batch
+    problems = (model_problems(cfg) + flag_problems(cfg, world - 1) + device_problems(cfg.device)  # trainers split the batch
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")
+    if cfg.save_every == 0:
+        problems.append("--save-every 0 (an interval by Young and Daly's rule) is ddp's and fsdp's: give the server N")
     if cfg.mode not in ("sync", "async"):
         problems.append(f"--mode {cfg.mode}: choose from sync, async")
     elif cfg.mode == "sync" and (cfg.updates_per_step, cfg.max_staleness) != (0, Config.max_staleness):

@@ -145,7 +145,8 @@ def bad_values(field, kind):
     """Values outside a flag's declared range."""
     rule = ALL_RANGES[field.name]
     values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": [],
-              "must be >= 1": [0.5, -1]}
+              "must be >= 1": [0.5, -1], "must be in [0, 2^32)": [-1, 2**32],
+              "must be in (0, 604800] (a week)": [0, 10**14]}
     out = values[rule[0]]
     return out + [float("nan"), float("inf")] if kind is float else out
 

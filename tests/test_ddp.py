@@ -12,7 +12,9 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
+from common import checkpoint
 from common.checkpoint import checkpoints, lock_run_dir, step_name
 from common.config import parse_config
 from common.data import write_tokens
@@ -153,7 +155,7 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
     (["--log-every", "0"], "--log-every must be > 0"),
     (["--min-lr", "nan"], "--min-lr must be >= 0, got nan"),
-    (["--timeout-s", "-5"], "--timeout-s must be > 0, got -5"),
+    (["--timeout-s", "-5"], "--timeout-s must be in (0, 604800] (a week), got -5"),
     (["--vocab", "0"], "--vocab must be > 0"),
     (["--device", "gpu"], "--device gpu: choose from auto, cpu, cuda"),
     (["--heads", "3"], "--heads 3 does not divide --dim 64"),
@@ -173,6 +175,9 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--grad-accum", "5"], "--grad-accum 5 does not divide a rank's 12 rows"),
     (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
     (["--snapshot-dir", "OTHERS_CAN_WRITE"], "not a folder of this user's alone"),
+    (["--device", "cuda"], "--device cuda needs a GPU for each of this node's 1 ranks, found 0"),
+    (["--seed", str(2**32)], "--seed must be in [0, 2^32), got 4294967296"),
+    (["--timeout-s", str(10**14)], "--timeout-s must be in (0, 604800] (a week), got 100000000000000"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch, capsys):
@@ -204,6 +209,36 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch,
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def deny_reading_checkpoints(monkeypatch):
+    # Root reads any file, whatever its mode (the tests run as root in CI): deny it as a user would be.
+    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: not str(path).endswith(".pt"))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda ckpt: torch.save([1, 2], ckpt / step_name(4, ".pt")), "not a checkpoint of these scripts (no config in it)"),
+    (lambda ckpt: torch.save({"format": 2, "config": {"mode": "sync", "straggler_timeout": 30.0}},
+                             ckpt / step_name(4, ".pt")),  # rpc/ps.py's
+     "written by another script (or version): its settings include mode, straggler_timeout"),
+    (lambda ckpt: (ckpt.parent / ".lock").mkdir(), ".lock is not a plain file (a link or a folder): remove it"),
+    (lambda ckpt: (ckpt.parent / ".lock").symlink_to(ckpt.parent / "elsewhere"), ".lock is not a plain file"),
+    (lambda ckpt: torch.save({"format": 2, "config": {}}, ckpt / step_name(4, ".pt")),
+     "cannot read it (permission denied): fix its permissions, nothing was moved"),
+])
+def test_a_run_folder_this_script_cannot_use_is_refused_in_one_line_and_left_alone(make, message, tmp_path,
+                                                                                     monkeypatch, capsys):
+    (tmp_path / "ckpt").mkdir()
+    make(tmp_path / "ckpt")
+    if "permission" in message:
+        deny_reading_checkpoints(monkeypatch)
+    before = sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*"))
+    ddp = load_script(REPO / SCRIPT)
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(ddp.Config, ddp.check, ["--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*")) == before
 
 
 def test_run_sh_rejects_bad_input_before_starting_workers(tmp_path):
@@ -243,6 +278,20 @@ def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
     lock.close()  # the job ends (or dies): the folder is free again
     single(tmp_path, *SMALL, "--steps", 4)
     assert summary(tmp_path)["steps"] == 4
+
+
+def test_save_every_0_chooses_the_disk_interval_by_young_and_daly(tmp_path):
+    # An MTBF of 1.8 s, so that the interval is a few steps of the tiny job: sqrt(2 x save x MTBF).
+    proc = single(tmp_path, *SMALL, "--steps", 40, "--save-every", 0, "--mtbf-h", 0.0005)
+    chosen = re.findall(r"save every (\d+) steps: sqrt\(2 x ([\d.]+) ms a save x 0.0005 h between failures\) "
+                        r"= ([\d.]+) s, at ([\d.]+) ms a step \(Young and Daly\)", proc.stdout)
+    assert chosen, proc.stdout[-3000:]
+    for steps, save_ms, seconds, step_ms in chosen:
+        assert float(seconds) == pytest.approx(math.sqrt(2 * float(save_ms) / 1000 * 1.8), abs=0.01)
+        assert abs(int(steps) - float(seconds) / (float(step_ms) / 1000)) <= 1  # as printed, rounded
+    saved = [e["step"] for e in metrics(tmp_path, 0, "save")]
+    assert saved[0] == 10 and saved[-1] == 40  # the first measures a save's cost; the last step is saved
+    assert all(any(s % int(c[0]) == 0 for c in chosen) for s in saved[1:-1]), (saved, chosen)
 
 
 def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_path):

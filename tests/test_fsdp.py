@@ -9,9 +9,11 @@ import torch
 
 from common.checkpoint import checkpoints, param_digest
 from common.model import ModelConfig, Transformer
+from common.config import parse_config
 from harness import launch
+from harness.launch import load_script
 from harness.metrics import events, training_peaks
-from conftest import DROPOUT, SMALL, metrics, summary, torchrun
+from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun
 
 SCRIPT = "fsdp/train.py"
 PEAK_TFLOPS = 0.5
@@ -175,3 +177,11 @@ def test_a_shard_only_rank_peaks_in_training_at_a_fraction_of_a_ddp_rank(tmp_pat
     full = 4 * summary(tmp_path / "fsdp")["params"]
     assert peaks["fsdp"] <= 0.4 * peaks["ddp"], (peaks, full)
     assert peaks["fsdp"] <= 2.5 * full, (peaks, full)
+
+
+def test_export_to_a_folder_is_refused_before_training(tmp_path, capsys):
+    fsdp = load_script(REPO / SCRIPT)
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(fsdp.Config, fsdp.check, ["--run-dir", str(tmp_path / "run"), "--export", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and f"--export {tmp_path} is a folder" in err, err

@@ -20,6 +20,9 @@ def test_token_file_grad_accum_and_eval_survive_a_crash_bitwise(tmp_path, script
     flags = [*SMALL, *DROPOUT, "--data", data, "--vocab", 300, "--grad-accum", 2]
     torchrun(script, 2, tmp_path / "reference", *flags)
     proc = torchrun(script, 2, tmp_path / "crashed", *flags, "--eval-every", 5, "--crash-at-step", 6, restarts=1)
+    # The survivor of the crash says so in one line; its traceback is in a file, not on the console.
+    assert "rank 0: peer lost (" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" in (tmp_path / "crashed" / "traceback-rank0.txt").read_text()
     format_ = "llm.c uint16 GPT-2 tokens" if header else "nanoGPT flat uint16 tokens"
     assert f"data: {format_}" in proc.stdout and "2 micro-batches a step" in proc.stdout
     assert f"eval: every 5 steps, 4 batches of {format_}" in proc.stdout
