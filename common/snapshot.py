@@ -298,8 +298,13 @@ class Snapshots:
         for path in self.folder.glob(f"{self.run}-rank{self.rank}-slot*"):
             path.unlink(missing_ok=True)
         dist.barrier()
-        for path in [*self.folder.glob(f"{self.run}-rank*"), *self.folder.glob(f".{self.run}-rank*")]:
-            path.unlink(missing_ok=True)
+        try:  # the node's other ranks clean up at the same time: the folder may go at any moment
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith((f"{self.run}-rank", f".{self.run}-rank")):
+                (self.folder / name).unlink(missing_ok=True)
         try:
             self.folder.rmdir()
         except OSError:  # another run's snapshots are still there, or another rank removed it first

@@ -3,6 +3,12 @@
 # another name (exposed as `blocks` by a property, so they are not registered twice), an embedding tied
 # to the head, rotary position embeddings whose table is a non-persistent buffer (not in the state
 # dict: FSDP's meta build must fill it), and a persistent buffer (in the state dict, not sharded).
+# The imports make the file read on its own; appended, they repeat common/model.py's.
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.model import ModelConfig
 
 
 class Rotary(nn.Module):
