@@ -51,11 +51,28 @@ def setup(device_choice="auto", timeout_s=300):
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     device = pick_device(device_choice, local_rank, local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # One node's job: rank 0's store on the loopback only. torch's TCPStore listens on every interface,
+    # whatever MASTER_ADDR says (pytorch issue 173909); rank 0 binds its socket here and hands it over.
+    alone = local_world_size == world_size and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = loopback_store(rank, world_size, timeout) if alone else None
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                            **({"store": store, "rank": rank, "world_size": world_size} if store else {}))
     if device_choice == "auto" and device.type == "cpu" and rank == 0:
         print(f"device: cpu with gloo ({torch.cuda.device_count()} GPUs for {local_world_size} local ranks)", flush=True)
     return rank, world_size, device
+
+
+def loopback_store(rank, world_size, timeout):
+    """The process group's store at 127.0.0.1:MASTER_PORT, served by rank 0 from a socket bound there."""
+    port, fd = int(os.environ["MASTER_PORT"]), None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(world_size)
+        fd = listener.detach()
+    return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, master_listen_fd=fd)
 
 
 def _free_port():

@@ -85,6 +85,12 @@ def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, en
     stop file (exit_code() reads it)."""
     conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
+    if str(nnodes) == "1" and endpoint in (None, "localhost:0"):
+        # One machine: the rendezvous in a private file, not in a TCP store, which torch opens on every
+        # interface whatever the endpoint (pytorch issue 173909); the workers' own store is on the
+        # loopback (common.dist.loopback_store). The agent keeps the file across restarts.
+        conf.append("store_type=file")
+        endpoint = str(stop_folder() / f"rendezvous-{uuid.uuid4().hex}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            *([f"--node-rank={node_rank}"] if node_rank is not None else []), f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--signals-to-handle={SIGNALS}",

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,6 +338,39 @@ def test_trains_on_a_text_file_or_a_token_file(tmp_path, kind):
     assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < math.log(vocab)
 
 
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # as /proc/net says
+
+
+def listening(root):
+    """{(address in /proc/net/tcp's hex, port)} that process `root` and all its descendants listen on."""
+    pids, parents = {root}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    while True:
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
+        if not more:
+            break
+        pids |= more
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
+            except OSError:
+                continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
 def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path):
     # A preemption as Slurm's --signal=USR1@SECONDS makes it: run.sh gets SIGUSR1, passes it to torchrun,
     # whose agent passes it to the workers (--signals-to-handle), which finish their step, agree, save it
@@ -348,6 +382,9 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     proc = launch.start(["bash", "run.sh", "ddp", "2", "--run-dir", str(run_dir), *map(str, flags)], dict(os.environ),
                         tmp_path / "preempted.log")
     assert wait_for_step(run_dir, 20, proc), "the job ended before step 20: the signal never fired"
+    # A job on one machine listens on the loopback only (its stores, gloo): nobody else can reach it.
+    sockets = listening(proc.pid)
+    assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     proc.send_signal(signal.SIGUSR1)
     code, output, hung = launch.finish(proc, time.time() + 60)
     assert code == 143 and not hung, output[-3000:]  # preempted: a scheduler's script requeues on it
