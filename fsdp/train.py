@@ -396,7 +396,7 @@ def main(cfg):
             for i, (inputs, targets) in enumerate(data.micro_batches(step, rank, world, cfg.grad_accum)):
                 # Gradients add up unsharded on each rank; the last backward reduce-scatters them, and each
                 # rank ends with the mean gradient of its shard. Weights gathered once a step, not twice a
-                # micro-batch: 1.03-1.07x the step time of one batch (2 ranks, CPU, K=4) against 2x; the
+                # micro-batch: 1.08x the step time of one batch (2 ranks, CPU, K=4; median of 5) against 2x; the
                 # memory of the unsharded weights and gradients meanwhile, as a DDP rank holds them.
                 last = i == cfg.grad_accum - 1
                 model.set_requires_gradient_sync(last)
