@@ -94,6 +94,7 @@ def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, en
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            *([f"--node-rank={node_rank}"] if node_rank is not None else []), f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--signals-to-handle={SIGNALS}",
+           f"--log-dir={stop_folder() / 'torchelastic'}",  # else a torchelastic_* folder in /tmp per launch
            *([f"--shutdown-timeout={grace_s}"] if grace_s and has_shutdown_timeout() else []),
            f"--rdzv-endpoint={endpoint or f'localhost:{free_port()}'}", f"--rdzv-id={rdzv_id or uuid.uuid4().hex[:8]}",
            *([f"--rdzv-conf={','.join(conf)}"] if conf else []),
