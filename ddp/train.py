@@ -125,6 +125,20 @@ def lr_at(cfg, step):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def forward_backward(ddp_model, micro_batches, device, bf16, poison):
+    """Forward and backward of one step's micro-batches (--grad-accum); returns the step's loss, their mean.
+    Gradients add up on each rank; only the last micro-batch's backward all-reduces them."""
+    loss = 0.0
+    for i, (inputs, targets) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                micro = ddp_model(inputs.to(device), targets.to(device))
+            micro = poison(micro) / len(micro_batches)
+            micro.backward()
+        loss = loss + micro.detach()
+    return loss
+
+
 # ----------------------------------------------------------------------------- checkpoint
 # The layout of ckpt/step-NNNNNNNN.pt (save() writes it, resume() reads it): a load refuses any other.
 FORMAT = 2
@@ -363,15 +377,8 @@ def main(cfg):
         while step < cfg.steps:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = 0.0  # the step's loss: the mean over its micro-batches
-            for i, (inputs, targets) in enumerate(data.micro_batches(step, rank, world, cfg.grad_accum)):
-                # Gradients add up on each rank; only the last micro-batch's backward all-reduces them.
-                with ddp_model.no_sync() if i < cfg.grad_accum - 1 else contextlib.nullcontext():
-                    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                        micro = ddp_model(inputs.to(device), targets.to(device))
-                    micro = faults.poison_loss(micro, step) / cfg.grad_accum
-                    micro.backward()
-                loss = loss + micro.detach()
+            loss = forward_backward(ddp_model, data.micro_batches(step, rank, world, cfg.grad_accum), device, bf16,
+                                    lambda micro: faults.poison_loss(micro, step))
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
