@@ -160,7 +160,7 @@ def test_the_readme_slurm_file_saves_the_step_and_requeues_whichever_way_the_sig
     if signal_to:
         while not (state / "ready").exists():  # the step is up, its trap set
             assert batch.poll() is None, "the batch file ended before its step started"
-            time.sleep(0.01)
+            time.sleep(0.01)  # polling for the file the stand-in step writes, not waiting for a moment
         os.kill(batch.pid if signal_to == "batch shell" else int((state / "step.pid").read_text()), signal.SIGTERM)
     assert batch.wait(timeout=30) == code
     assert ((state / "log").read_text().splitlines() if (state / "log").exists() else []) == log
