@@ -397,5 +397,5 @@ def auto_save_every(save_s, step_times, cfg, device):
                                                       device)
     if dist.get_rank() == 0:
         print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {cfg.mtbf_h} h between "
-              f"failures) = {seconds:.2f} s, at {step_s * 1000:.2f} ms a step (Young and Daly)", flush=True)
+              f"failures) = {seconds:.3f} s, at {step_s * 1000:.3f} ms a step (Young and Daly)", flush=True)
     return steps
