@@ -11,7 +11,19 @@
 # Multi-node: NNODES (N, or MIN:MAX), NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID;
 # MAX_RESTARTS.
 set -euo pipefail
+# Setup happens in the repository (.venv, requirements.txt, tests/); the jobs run where the user stands,
+# so that a relative --run-dir, --data, --export or --out means what it says there.
+caller=$PWD
+[[ ${PYTHON:-} != */* || $PYTHON == /* ]] || PYTHON=$caller/$PYTHON
 cd "$(dirname "$0")"
+here=$PWD
+
+# from_caller MODULE ARGS...: run harness/MODULE.py with $PY from the user's folder.
+from_caller() {
+  [[ $PY != */* || $PY == /* ]] || PY=$here/$PY
+  cd "$caller"
+  exec "$PY" "$here/harness/$1.py" "${@:2}"
+}
 
 usage() {
   echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" \
@@ -105,8 +117,8 @@ case "$mode" in
   rpc) script=rpc/ps.py ;;
   test) python_with "${TEST[@]}"; exec "$PY" -m pytest tests "$@" ;;
   compat) compat "$@" ;;
-  compare) python_with "${TEST[@]}"; exec "$PY" -m harness.compare "$@" ;;
-  chaos) python_with "${TEST[@]}"; exec "$PY" -m harness.chaos "$@" ;;
+  compare) python_with "${TEST[@]}"; from_caller compare "$@" ;;
+  chaos) python_with "${TEST[@]}"; from_caller chaos "$@" ;;
   *) usage ;;
 esac
 
@@ -130,7 +142,9 @@ if [ -n "${RDZV_ENDPOINT:-}" ]; then
 elif [ "${nnodes#*:}" != 1 ]; then
   bad "NNODES=$nnodes needs RDZV_ENDPOINT, the host:port of the first node, the same on every node"
 fi
+[[ -z ${RDZV_CONF:-} || $RDZV_CONF =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]] ||
+  bad "RDZV_CONF must be key=value pairs separated by commas, got '$RDZV_CONF'"
 python_with "${TRAIN[@]}"
-# The flags checked once (for an elastic job at MAX nodes), then torchrun with the settings that make
+# The flags checked once (an elastic job at each size from MIN to MAX nodes), then torchrun with the settings that make
 # its restarts reliable: both in harness/launch.py, which the tests and runners launch through too.
-exec "$PY" -m harness.launch --preflight "$script" "$nproc" "$@"
+from_caller launch --preflight "$script" "$nproc" "$@"

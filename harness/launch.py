@@ -228,18 +228,20 @@ def load_script(path):
     return module
 
 
-def preflight(script, world, flags, local_world=None):
+def preflight(script, worlds, flags, local_world=None):
     """Check a job's flags once, before torchrun starts workers that would each refuse them: exit 2 with
-    one line if the script's check(cfg) finds a problem at world size `world` (`local_world` ranks on
-    this node), or if a running job holds the run folder. Returns the parsed config."""
+    one line if the script's check(cfg) finds a problem at one of the world sizes `worlds` (an elastic
+    job runs at any of them; `local_world` ranks on this node), or if a running job holds the run
+    folder. Returns the parsed config."""
     from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
     outside = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)  # and the memory tier's room on this node
-    module = load_script(script)
-    cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
+    module = load_script(REPO / script)
+    for world in worlds:
+        os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)  # and the memory tier's room on this node
+        cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
     in_use = run_dir_in_use(cfg.run_dir)
     if in_use:
         fail(in_use, prog=script)
@@ -260,12 +262,21 @@ def main(argv):
     script, nproc, *flags = argv[1:] if checked else argv
     nnodes = os.environ.get("NNODES") or "1"
     run_dir = None
-    if checked:  # an elastic job is checked at its largest world size (MAX nodes)
-        run_dir = preflight(script, int(nproc) * int(nnodes.split(":")[-1]), flags, int(nproc)).run_dir
+    endpoint = os.environ.get("RDZV_ENDPOINT") or "localhost:0"
+    if checked:  # an elastic job is checked at every world size from MIN to MAX nodes
+        fewest, _, most = nnodes.partition(":")
+        worlds = [int(nproc) * n for n in range(int(fewest), int(most or fewest) + 1)]
+        run_dir = preflight(script, worlds, flags, int(nproc)).run_dir
+        host = endpoint.rpartition(":")[0]
+        try:  # torchrun would retry an unknown host for minutes, then print a traceback
+            socket.getaddrinfo(host, None)
+        except socket.gaierror as e:
+            print(f"run.sh: RDZV_ENDPOINT={endpoint}: cannot resolve {host} ({e.strerror})", file=sys.stderr)
+            sys.exit(2)
     grace_s = int(os.environ.get("SHUTDOWN_TIMEOUT") or (grace_for(run_dir) if run_dir else 30))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),
-                        endpoint=os.environ.get("RDZV_ENDPOINT") or "localhost:0",
+                        endpoint=endpoint,
                         rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
                         rdzv_conf=os.environ.get("RDZV_CONF"), grace_s=grace_s)
     # torchrun in a session of its own: a terminal's Ctrl-C reaches it once, through here.

@@ -46,12 +46,21 @@ def test_run_sh_uses_an_installed_torch_and_installs_only_what_a_mode_lacks(tmp_
     assert not torch_file.startswith(str(project))
 
 
-def test_run_sh_checks_an_elastic_job_at_its_largest_world_size(tmp_path):
-    # NNODES=MIN:MAX: the flags are checked for MAX nodes (here 2 x 2 ranks), before torchrun starts.
+def test_run_sh_checks_an_elastic_job_at_every_world_size_it_may_run_at(tmp_path):
+    # NNODES=1:3 with 2 ranks a node: batch 6 splits over 2 and 6 ranks, not over the 4 left when a node is lost.
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "fsdp", "2", "--run-dir", str(tmp_path), "--batch-size", "6"],
-                          cwd=REPO, env={**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": "localhost:29400"},
+                          cwd=REPO, env={**os.environ, "NNODES": "1:3", "RDZV_ENDPOINT": "localhost:29400"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not split evenly over 4 ranks" in proc.stderr, proc.stderr
+
+
+def test_relative_paths_mean_what_they_mean_where_the_user_stands(tmp_path):
+    # A text file beside the user, not in the repository: run.sh finds it (and refuses its --vocab).
+    (tmp_path / "fox.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", "run", "--data", "fox.txt",
+                           "--vocab", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--data fox.txt is read as bytes" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (REPO / "run").exists()
 
 
 @pytest.mark.parametrize("env, line", [
@@ -64,12 +73,16 @@ def test_run_sh_checks_an_elastic_job_at_its_largest_world_size(tmp_path):
     ({"NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "NODE_RANK": "2"},
      "NODE_RANK must be a number below the nodes' count (2), got '2'"),
     ({"RDZV_ENDPOINT": "localhost:99999"}, "RDZV_ENDPOINT must be host:port (a port up to 65535), got 'localhost:99999'"),
+    ({"RDZV_CONF": "garbage"}, "RDZV_CONF must be key=value pairs separated by commas, got 'garbage'"),
+    # Checked by harness/launch.py, before torchrun (which retries an unknown host for minutes):
+    ({"NNODES": "2", "RDZV_ENDPOINT": "nohost.invalid:29500"},
+     "RDZV_ENDPOINT=nohost.invalid:29500: cannot resolve nohost.invalid ("),  # (the resolver's words)
 ])
 def test_a_bad_launch_setting_is_one_line_before_anything_starts(env, line):
-    # Checked by run.sh before any python starts: torchrun would print its usage, a traceback, or wait.
+    # Checked before torchrun starts: it would print its usage, a traceback, or wait.
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2"], cwd=REPO, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and proc.stderr == f"run.sh: {line}\n"
+    assert proc.returncode == 2 and proc.stderr.startswith(f"run.sh: {line}") and proc.stderr.count("\n") == 1
 
 
 def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigkill(tmp_path):
