@@ -84,6 +84,7 @@ DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc"))
 # ddp and fsdp snapshot every step into memory (common/snapshot.py): a process that dies costs them at
 # most one step. The parameter server has no memory tier.
 NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL}
+MARK = ".chaos-out"  # in --out: the folder is this runner's to empty, not the user's
 POLL_S = 0.005  # how often the metrics files are read while waiting for a step
 
 
@@ -760,8 +761,11 @@ def main(argv=None):
     if any(k == "node-lost" for _, k in planned) and BATCH % (2 * args.ranks):
         p.error(f"node-lost runs two nodes of --ranks processes: twice --ranks must divide the batch of {BATCH}")
     out, started = Path(args.out).resolve(), time.time()
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    if out.is_dir() and any(out.iterdir()) and not (out / MARK).exists():
+        p.error(f"--out {args.out} holds files that chaos did not write: name a new or empty folder")
+    subprocess.run(["rm", "-rf", str(out)], check=True)  # the previous soak's, as its mark says
     out.mkdir(parents=True)
+    (out / MARK).write_text("written by bash run.sh chaos, which empties this folder when it runs again\n")
 
     def log(msg):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)

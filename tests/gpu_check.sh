@@ -12,16 +12,16 @@
 # Each job is launched as the tests launch it (python3 -m harness.launch), with a timeout.
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
-# OUT (default /tmp/devout) receives the log, both summary.json files and save_bench.json. Exit 1 if any
+# OUT (default: a new folder under /tmp, printed) receives the log, both summary.json files and save_bench.json. Exit 1 if any
 # run failed, restarted when it should not have (torchrun's restarts would hide a crash behind the right
 # digest) or other than its fault asked, or resumed to another digest. The targets are reported, not
 # enforced: they are performance figures of one machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/devout}; mkdir -p "$OUT"
+OUT=${OUT:-$(mktemp -d /tmp/gpu-check-out.XXXXXX)}; mkdir -p "$OUT"; echo "gpu_check: output in $OUT"
 BIG=${BIG:-1b}; BATCH=${BATCH:-8}; STEPS=${STEPS:-160}; SMALL=${SMALL:-small}
-R=/tmp/devruns; rm -rf $R; mkdir -p $R
+R=$(mktemp -d /tmp/gpu-check-runs.XXXXXX); trap 'rm -rf "$R"' EXIT  # the jobs' run folders
 exec > >(tee "$OUT/log") 2>&1
 log() { echo "=== $* (t=${SECONDS}s)"; }
 failed=()

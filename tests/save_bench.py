@@ -1,10 +1,10 @@
 """How fast the scripts' checkpoint writes are against the disk, on one device: a preset's model state
 (fp32 weights and AdamW's two moments) written the ways ddp/train.py and fsdp/train.py write it.
 
-    python tests/save_bench.py --model 1b --out /tmp/devout/save_bench.json   # the GPU check runs this
+    python tests/save_bench.py --model 1b --out save_bench.json   # the GPU check runs this (at 1b)
     .venv/bin/python tests/save_bench.py --model 160m --threads 1,2,8         # on a CPU
 
-Each write goes to a fresh folder under --dir, is timed until its bytes are fsync'd, and is removed
+Each write goes to a fresh folder in a private one made under --dir, is timed until its bytes are fsync'd, and is removed
 before the next (the disk must hold one copy of the state, not one per row):
   disk             the same number of bytes in 64 MiB blocks, fsync'd: what the disk gives to one stream
                    (the ratios' reference, as `dd` was in issue 11's table), then split over as many
@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Config:
     device: str = "auto"  # auto (the GPU if there is one), cpu or cuda
     threads: str = "1,8"  # the DCP writer thread counts to time, comma-separated (fsdp/train.py --save-threads)
     repeats: int = 2  # writes of each kind; the median is reported
-    dir: str = "/tmp/save-bench"  # where the writes go (the disk being measured); emptied before and after
+    dir: str = tempfile.gettempdir()  # on the disk being measured: the writes go to a private folder made there
     out: str = ""  # also write the rows as JSON to this file
 
 
@@ -58,6 +59,7 @@ def check(cfg):
     problems = [] if cfg.model in PRESETS else [f"--model {cfg.model}: choose from {', '.join(PRESETS)}"]
     if not all(t.strip().isdigit() and int(t) > 0 for t in cfg.threads.split(",")):
         problems.append(f"--threads {cfg.threads}: positive integers, comma-separated")
+    problems += [] if os.path.isdir(cfg.dir) else [f"--dir {cfg.dir}: not a folder"]
     return problems + ([] if cfg.repeats > 0 else [f"--repeats must be > 0, got {cfg.repeats}"])
 
 
@@ -91,6 +93,7 @@ def disk_write(nbytes, streams=1):
 
 def main(cfg):
     rank, _, device = setup(cfg.device, timeout_s=1800)
+    scratch = None
     try:
         model = Transformer(ModelConfig(**PRESETS[cfg.model]), seed=0).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -103,8 +106,9 @@ def main(cfg):
         nbytes = state_bytes(model, optimizer)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         train = {"step": 1, "config": dataclasses.asdict(cfg)}
-        folder, rows = Path(cfg.dir) / "write", []
-        print(f"{cfg.model}: {nbytes / 1e9:.2f} GB of model state on {device}, writes into {cfg.dir}", flush=True)
+        scratch = Path(tempfile.mkdtemp(prefix="save-bench-", dir=cfg.dir))  # removed below, whatever else --dir holds
+        folder, rows = scratch / "write", []
+        print(f"{cfg.model}: {nbytes / 1e9:.2f} GB of model state on {device}, writes into {scratch}", flush=True)
 
         def row(name, write, **extra):
             times = [timed(write, folder) for _ in range(cfg.repeats)]
@@ -153,7 +157,8 @@ def main(cfg):
             Path(cfg.out).write_text(json.dumps({"preset": cfg.model, "device": str(device), "bytes": nbytes,
                                                  "rows": rows}, indent=2) + "\n")
     finally:
-        shutil.rmtree(cfg.dir, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         teardown()
 
 

@@ -35,6 +35,11 @@ def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_pat
         assert t["recovery_s"] > t["detect_s"] > 0 and t["restart_s"] > 0 and t["vs_cold_start"] > 0, t
 
 
-def test_bad_flag_is_one_line(tmp_path):
+def test_bad_flag_is_one_line_and_a_folder_of_the_users_is_never_emptied(tmp_path):
     proc = run_sh("chaos", "--strategies", "ddp,nope", "--out", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == "bash run.sh chaos: error: unknown or inapplicable: nope (see --help)"
+    (tmp_path / "thesis.tex").write_text("not the soak's")
+    proc = run_sh("chaos", "--plan", "sigkill:ddp", "--out", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"bash run.sh chaos: error: --out {tmp_path} holds files that "
+                                                            "chaos did not write: name a new or empty folder (see --help)")
+    assert [p.name for p in tmp_path.iterdir()] == ["thesis.tex"]

@@ -81,8 +81,10 @@ def test_plot_draws_loss_memory_and_saves_from_the_runs(results):
 
 def test_save_bench_times_each_scripts_write_against_the_disk(tmp_path):
     # tests/save_bench.py (the GPU check runs it at 1b): every write of the tiny state lands, is timed,
-    # and is removed; the async row says how long the call blocked, which cannot exceed its whole write.
+    # and is removed with the folder it made; the async row says how long the call blocked, which cannot exceed its whole write.
     bench, out = tmp_path / "bench", tmp_path / "bench.json"
+    bench.mkdir()
+    (bench / "keep").write_text("a file the bench did not make")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "save_bench.py"), "--model", "tiny", "--repeats", "1",
                            "--threads", "1,2", "--dir", str(bench), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
@@ -95,7 +97,7 @@ def test_save_bench_times_each_scripts_write_against_the_disk(tmp_path):
     assert result["bytes"] > 0 and all(r["s"] > 0 and r["gb_per_s"] > 0 for r in result["rows"])
     async_ = result["rows"][-1]
     assert 0 < async_["blocked_s"] <= async_["staged_s"] <= async_["s"]
-    assert not bench.exists()
+    assert [p.name for p in bench.iterdir()] == ["keep"]  # its own folder is gone, nothing else
 
 
 def test_save_bench_bad_input_is_one_line(tmp_path):
