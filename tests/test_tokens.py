@@ -10,20 +10,20 @@ from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun
 TOKENS = [(7 * i + i // 13) % 300 for i in range(4000)]  # any tokenizer's ids, vocabulary 300
 
 
-@pytest.mark.parametrize("script, header", [("ddp/train.py", True), ("fsdp/train.py", False)])
-def test_token_file_grad_accum_and_eval_survive_a_crash_bitwise(tmp_path, script, header):
-    # ddp reads llm.c's format (a 1 KiB header), fsdp nanoGPT's (flat uint16). Each rank's 6 rows are
-    # 2 micro-batches. The crashed job also evaluates every 5 steps, under dropout: an evaluation draws
+def test_token_file_grad_accum_and_eval_survive_a_crash_bitwise(tmp_path):
+    # FSDP on nanoGPT's format (flat uint16; ddp reads llm.c's in tests/test_ddp.py). Each rank's 6 rows
+    # are 2 micro-batches. The crashed job also evaluates every 5 steps, under dropout: an evaluation draws
     # no random number, so with it, and through a crash, the job ends with the weights of the one without.
-    data = tmp_path / ("train.tokens" if header else "train.bin")
-    write_tokens(data, TOKENS, header=header)
+    data = tmp_path / "train.bin"
+    write_tokens(data, TOKENS, header=False)
     flags = [*SMALL, *DROPOUT, "--data", data, "--vocab", 300, "--grad-accum", 2]
-    torchrun(script, 2, tmp_path / "reference", *flags)
-    proc = torchrun(script, 2, tmp_path / "crashed", *flags, "--eval-every", 5, "--crash-at-step", 6, restarts=1)
+    torchrun("fsdp/train.py", 2, tmp_path / "reference", *flags)
+    proc = torchrun("fsdp/train.py", 2, tmp_path / "crashed", *flags, "--eval-every", 5, "--crash-at-step", 6,
+                    restarts=1)
     # The survivor of the crash says so in one line; its traceback is in a file, not on the console.
     assert "rank 0: peer lost (" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" in (tmp_path / "crashed" / "traceback-rank0.txt").read_text()
-    format_ = "llm.c uint16 GPT-2 tokens" if header else "nanoGPT flat uint16 tokens"
+    format_ = "nanoGPT flat uint16 tokens"
     assert f"data: {format_}" in proc.stdout and "2 micro-batches a step" in proc.stdout
     assert f"eval: every 5 steps, 4 batches of {format_}" in proc.stdout
     evals = metrics(tmp_path / "crashed", 0, "eval")
@@ -33,11 +33,15 @@ def test_token_file_grad_accum_and_eval_survive_a_crash_bitwise(tmp_path, script
 
 def test_four_micro_batches_follow_the_loss_curve_of_one(tmp_path):
     # The same 12 rows a step, in one batch or four: the same losses within float rounding (the
-    # gradient is summed in another order, so the weights are not bitwise equal).
+    # gradient is summed in another order, so the weights are not bitwise equal). DDP, without dropout,
+    # whose masks would follow the micro-batches' shapes; the run of four also evaluates every 8 steps,
+    # which changes no training loss.
     losses = {}
-    for k in (1, 4):
+    for k, extra in ((1, []), (4, ["--eval-every", "8"])):
         proc = subprocess.run([sys.executable, "ddp/train.py", "--run-dir", str(tmp_path / f"k{k}"), *map(str, SMALL),
-                               "--grad-accum", str(k)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                               "--grad-accum", str(k), *extra], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[k] = [e["loss"] for e in metrics(tmp_path / f"k{k}", 0, "step")]
     assert len(losses[4]) == 16 and losses[4] == pytest.approx(losses[1], rel=1e-4)
+    assert [e["step"] for e in metrics(tmp_path / "k4", 0, "eval")] == [8, 16]
