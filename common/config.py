@@ -135,11 +135,30 @@ def stop(code):
     which could turn the 0 into a crash."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: the code is the exit status
         raise SystemExit(code)
+    leave_stop_code(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def leave_stop_code(code):
+    """Write the job's exit code to $FT_STOP_FILE, where the launcher set it: a stop's, or 0 for a job
+    that is done though a worker must be killed (rpc: a frozen trainer). A restart of the same launch
+    then trains nothing (end_if_stopped)."""
     path = os.environ.get(STOP_FILE)
     if path:  # the node's ranks may all write it: each renames its own file into place
         with open(f"{path}.{os.getpid()}", "w") as f:
             f.write(str(code))
         os.replace(f"{path}.{os.getpid()}", path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+
+def end_if_stopped():
+    """Exit 0 at once in a torchrun restart that follows a stop of this launch (its code in $FT_STOP_FILE):
+    torchrun restarts the whole group when any worker fails, and one may fail after a stop (a peer of
+    the stopped ranks, a trainer the server killed). The launcher reports the stop's code."""
+    path, attempt = os.environ.get(STOP_FILE), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if path and attempt != "0" and os.path.exists(path):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"restart {attempt}: the job has stopped (exit code {open(path).read()}): not starting again",
+                  flush=True)
+        os._exit(0)

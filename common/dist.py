@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.config import fail
+from common.config import end_if_stopped, fail
 
 
 def device_problems(choice):
@@ -42,6 +42,7 @@ def setup(device_choice="auto", timeout_s=300):
 
     Returns (rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
     """
+    end_if_stopped()
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -90,6 +91,28 @@ def refuse_unsafe_restarts():
     if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
+
+
+def still_running(ranks, wait_s):
+    """{rank: pid} of the workers `ranks` of this node's torchrun agent (this process's siblings, found
+    in Linux's /proc) still running after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if int(parent) != os.getppid() or state == "Z":  # not a sibling, or exited (not reaped yet)
+                    continue
+                env = dict(v.split("=", 1) for v in (proc / "environ").read_text(errors="replace").split("\0")
+                           if "=" in v)
+                if int(env.get("RANK", -1)) in ranks:
+                    found[int(env["RANK"])] = int(proc.name)
+            except (OSError, ValueError):  # gone meanwhile, or not ours to read
+                continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)  # polling for their exit
 
 
 def agree(ok, device):

@@ -25,8 +25,9 @@ for a while, and ended with the reference digest. After a node's loss the refere
 uninterrupted job's checkpoint of the step the survivor resumed from, resumed at the survivor's size;
 a preempted job must resume from the step it saved. rpc-async (the parameter server in async mode,
 whose weights depend on arrival order) is checked by its guarantees instead of a digest
-(async_problems); a trainer stopped there is not waited for: the job ends without it, then it is
-thawed, and the job exits 0 with no restart. Exit code 1 if any trial failed.
+(async_problems); a trainer stopped there is not waited for: the job ends without it, its server
+kills it, and the job exits 0 (torchrun's restart that follows trains nothing). Exit code 1 if any
+trial failed.
 
 Recovery time, per trial and as medians per kind (harness.metrics.phases): from the fault to the
 first step trained after it, split into the wait until the new workers are launched (detection,
@@ -76,7 +77,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # once training runs (--hang-timeout-s, or 20 steps' time); the parameter server has its RPC timeout.
 # torchrun then waits 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
 # obeys. rpc's straggler timeout must stay below its RPC timeout. rpc-async waits for no trainer: it
-# ends without a stopped one, after waiting the straggler timeout for its goodbye; then it is thawed.
+# ends without a stopped one, after waiting the straggler timeout for its goodbye, and then kills it.
 HANG_FLAGS = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async": ["--straggler-timeout", 5]}
 HANG_FLAGS_DEFAULT = ["--hang-timeout-s", 5]
 # The parameter server neither reshards nor saves on SIGTERM: node-lost and preempt are for these.
@@ -388,13 +389,11 @@ def signal_worker(sig):
 
 def stop_worker(job):
     """SIGSTOP a random worker (a hung one). Sync rpc drops a stopped trainer by design (the digest then
-    differs): its server is stopped. rpc-async ends without a stopped trainer: then it is thawed."""
+    differs): its server is stopped. rpc-async ends without a stopped trainer, which its server kills
+    at the end (rpc/ps.py)."""
     strategy, nproc = job.trial.strategy, job.trial.processes
     victims = [0] if strategy == "rpc" else range(1, nproc) if strategy == "rpc-async" else range(nproc)
     job.hit = signal_at_step(job, signal.SIGSTOP, victims, job.rng.randint(1, STEPS - MARGIN), 0)
-    if job.hit and strategy == "rpc-async" and job.watch.first(job.proc, job.deadline, "shutdown", 0):
-        for pid in workers(job.proc.pid, 0).values():  # the server is done: thaw it
-            os.kill(pid, signal.SIGCONT)
 
 
 def kill_after_resume(job):

@@ -17,8 +17,9 @@ torchrun restarts every process, the server resumes from its checkpoint and the 
 from its version. A trainer that stops pushing (frozen, or gone without a crash torchrun sees) is
 dropped after --straggler-timeout seconds and the others carry on without its rows of the batch.
 No wait of the server's is unbounded: the job ends without a barrier over every process, so a
-lost trainer never holds the server (torchrun itself still waits for a frozen process to end). A
-loss that is not finite stops the job before it saves.
+lost trainer never holds the server; and a trainer of its node still running at the end (frozen,
+hung) is killed, since torchrun waits for every worker. A loss that is not finite stops the job
+before it saves.
 
     bash run.sh rpc 4 --mode async --slow-trainer 3 --slow-factor 3   # a 3x slower trainer slows no one
 
@@ -37,6 +38,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -54,9 +56,10 @@ from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
                                newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
                                rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
-from common.config import fail, flag_problems, parse_config
+from common.config import end_if_stopped, fail, flag_problems, leave_stop_code, parse_config
 from common.data import StepData, data_problems
-from common.dist import device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts
+from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts,
+                         still_running)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -220,7 +223,8 @@ def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
 
 # ----------------------------------------------------------------------------- server (rank 0)
 def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step):
-    """Rank 0: resume, answer the trainers' pulls and pushes until the last update, write summary.json."""
+    """Rank 0: resume, answer the trainers' pulls and pushes until the last update, write summary.json.
+    Returns the trainers not heard from at the end (lost, or silent since the last update)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ckpt_dir = run_dir / "ckpt"
     # Resumed before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
@@ -259,6 +263,7 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     if unconfirmed:
         print(f"trainers {unconfirmed} did not confirm the last step within {cfg.straggler_timeout} s: "
               "not waiting for them", flush=True)
+    return sorted(set(server.lost) | set(unconfirmed))
 
 
 # ----------------------------------------------------------------------------- trainer (ranks 1..)
@@ -333,7 +338,8 @@ def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
     # restart); RPC is the only communication.
-    refuse_unsafe_restarts()  # what setup() does in the other scripts
+    end_if_stopped()  # what setup() does in the other scripts
+    refuse_unsafe_restarts()
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")  # torch's own init_rpc
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, int(os.environ["LOCAL_RANK"]),
@@ -362,8 +368,9 @@ def main(cfg):
     print0(f"model: {num_params(model):,} parameters")
 
     # ------------------------------------------------------------------------- serve or train
+    unheard = []
     if rank == 0:
-        serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
+        unheard = serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     else:
         train(cfg, model, data, monitor, faults, rank, world, device, options, tokens_per_step)
 
@@ -376,6 +383,19 @@ def main(cfg):
     torch_rpc.shutdown(graceful=False)
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
     monitor.close()
+    # torchrun ends a job once every worker has exited: a trainer that froze would hold it for ever.
+    # Those of this node still running --straggler-timeout s after the end are killed; torchrun then
+    # restarts the group, and the restart, finding the job's code (0) left for the launcher, ends at once.
+    stuck = still_running(unheard, cfg.straggler_timeout) if unheard else {}
+    if stuck:
+        leave_stop_code(0)
+        print(f"trainers {sorted(stuck)} still running {cfg.straggler_timeout} s after the end: killed, as "
+              "torchrun waits for every worker", flush=True)
+        for pid in stuck.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
 
 
 if __name__ == "__main__":
