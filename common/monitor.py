@@ -6,6 +6,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -126,8 +127,15 @@ class Monitor:
         self.file = open(Path(run_dir) / f"metrics-rank{rank}.jsonl", "a")
 
     def event(self, kind, **fields):
-        self.file.write(json.dumps({"event": kind, "rank": self.rank, "time": time.time(), **fields}) + "\n")
-        self.file.flush()
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps({"event": kind, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: training goes on (its next save stops the job, exit 3) without them
+            print(f"rank {self.rank}: writing {self.file.name} failed ({e.strerror}): no more metrics from this rank",
+                  file=sys.stderr, flush=True)
+            self.file = None
 
     def step(self, step, loss, lr, dt, tokens, model_state_bytes, **extra):
         mem = memory(self.device)
@@ -145,7 +153,8 @@ class Monitor:
             print(f"eval {step:5d} | val loss {loss:.4f} | {seconds * 1000:.0f} ms", flush=True)
 
     def close(self):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class CommTimer:

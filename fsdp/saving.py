@@ -7,7 +7,9 @@ What a checkpoint holds, how a save is made durable and pruned, and what a resum
 fsdp/train.py's checkpoint section (`save`, `finish_save`, `resume`).
 """
 import pickle
+import threading
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
@@ -66,6 +68,8 @@ class Writer(dcp.FileSystemWriter):
     def __init__(self, path, train_pt, rng, group, thread_count, before_commit=None):
         super().__init__(path, thread_count=thread_count)
         self.train_pt, self.rng, self.group, self.before_commit = train_pt, rng, group, before_commit
+        if threading.excepthook is not keep_writer_errors:
+            threading.excepthook = keep_writer_errors
 
     def prepare_local_plan(self, plan):
         rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
@@ -135,10 +139,25 @@ def wait(future, step):
     return time.perf_counter() - t0
 
 
+WRITER_ERRORS = []  # what DCP's writer threads raised (keep_writer_errors), for save_failed's line
+
+
+def keep_writer_errors(args, default=threading.excepthook):
+    """threading.excepthook: DCP writes through threads of its own, and on a full disk each printed its
+    traceback (29 in a 2-rank save) before the save failed in the caller. Their errors are kept for
+    save_failed instead; any other thread's go to Python's default hook."""
+    if any(frame.f_code.co_name == "_write_files_from_queue" for frame, _ in traceback.walk_tb(args.exc_traceback)):
+        WRITER_ERRORS.append(args.exc_value)
+    else:
+        default(args)
+
+
 def save_failed(step, error):
     """One line and exit 3 for a save that failed (a full disk): its folder is never committed, so the
-    checkpoints of earlier steps stay the ones a restart loads."""
-    reason = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
+    checkpoints of earlier steps stay the ones a restart loads. The reason is the disk's (an OSError of
+    a writer thread) when there is one: the caller's own error may be a consequence, as a torn zip."""
+    cause = next((e for e in WRITER_ERRORS if isinstance(e, OSError)), error)
+    reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1][:160] or type(cause).__name__
     fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
 
 

@@ -233,3 +233,13 @@ def test_peak_flops_is_known_for_listed_gpus_or_given_by_the_environment(monkeyp
              "NVIDIA A100-SXM4-80GB": 312e12}
     assert {name: monitor.bf16_peak(name) for name in names} == names
     assert monitor.bf16_peak("NVIDIA GeForce RTX 4090") is None  # unlisted: no MFU unless PEAK_TFLOPS is set
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_and_training_goes_on(tmp_path, capsys):
+    (tmp_path / "metrics-rank0.jsonl").symlink_to("/dev/full")  # every write: No space left on device
+    m = monitor.Monitor(tmp_path, 0, torch.device("cpu"))
+    m.event("start")
+    m.event("step", step=1)  # no second line, no exception
+    m.close()
+    err = capsys.readouterr().err
+    assert err == f"rank 0: writing {tmp_path}/metrics-rank0.jsonl failed (No space left on device): no more metrics from this rank\n"

@@ -141,6 +141,18 @@ def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, referenc
     assert [s for s, _ in checkpoints(run_dir / "ckpt")] == [16, 12, 8]  # none loads: none is moved
 
 
+def test_a_full_disk_during_an_async_save_is_one_line_and_exit_3(tmp_path, reference):
+    # Files the disk cannot grow past 20 KiB: the reference's checkpoints load, step 20's shards do not
+    # fit. DCP's writer threads each raised a traceback; now the job says it once per node, exit 3.
+    run_dir = copy_run(reference, tmp_path / "run")
+    cmd, env = launch.torchrun(SCRIPT, 2, run_dir, [*SMALL, *DROPOUT, "--steps", 24, "--async-save"], max_restarts=3)
+    limited = ["bash", "-c", 'trap "" XFSZ; ulimit -f 20; exec "$@"', "bash", *cmd]  # SIGXFSZ ignored: EFBIG
+    code, output, hung = launch.finish(launch.start(limited, env, log=tmp_path / "run.log"), time.time() + 120)
+    assert code == 3 and not hung and "Traceback" not in output, output[-3000:]
+    assert output.count("error: saving step 20 failed (File too large): the checkpoints of earlier steps are kept") == 1
+    assert [s for s, _ in checkpoints(run_dir / "ckpt")] == [16, 12, 8]  # step 20 never committed
+
+
 def test_mfu_counts_the_tokens_of_each_rank(reference):
     s = summary(reference)
     flops_per_s_per_rank = 6 * s["params"] * s["tokens_per_s"] / s["world_size"]  # tokens_per_s: the global batch
