@@ -118,8 +118,26 @@ def checkpoints(ckpt_dir, committed=True):
     return sorted(found, reverse=True)
 
 
+UNDELETABLE = set()  # the checkpoints remove() could not delete, said once each
+
+
 def remove(path):
-    shutil.rmtree(path, ignore_errors=True) if Path(path).is_dir() else Path(path).unlink(missing_ok=True)
+    """Delete a checkpoint file or folder, first renamed to a name the lookup ignores, so that no part
+    of it is ever found as a checkpoint. One that cannot be renamed (permissions) is kept, with one line:
+    cleaning up is no reason to stop training. Returns whether it is gone."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.removing-{os.getpid()}")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if path not in UNDELETABLE:
+            UNDELETABLE.add(path)
+            print(f"could not delete {path} ({e.strerror}): it is kept; delete it yourself", flush=True)
+        return False
+    shutil.rmtree(doomed, ignore_errors=True) if doomed.is_dir() else doomed.unlink(missing_ok=True)
+    return True
 
 
 def prune(ckpt_dir, keep, committed_step):

@@ -340,8 +340,8 @@ def resume(cfg, ckpt_dir, snapshots, model, optimizer, fused, device, monitor):
         for p in unreadable:
             move_aside(p, "did not load on every rank")
         for _, p in checkpoints(ckpt_dir, committed=False):
-            remove(p)
-            print(f"removed {p.name} (never committed)", flush=True)
+            if remove(p):
+                print(f"removed {p.name} (never committed)", flush=True)
     return step, resumed_from
 
 

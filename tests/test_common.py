@@ -1,10 +1,12 @@
 """Unit tests of the shared mechanics: atomic save, checkpoint lookup, keep-K, RNG, digest, data, CLI."""
 import dataclasses
+import os
 import random
 import subprocess
 import sys
 import textwrap
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +59,24 @@ def test_prune_keeps_newest_k_and_never_an_in_flight_save(tmp_path):
     (tmp_path / f".{step_name(7, '.pt')}.tmp-99").write_bytes(b"x")
     prune(tmp_path, keep=2, committed_step=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4, ".pt"), step_name(5, ".pt"), step_name(6)]
+
+
+def test_a_checkpoint_that_cannot_be_deleted_is_kept_with_one_line(tmp_path, monkeypatch, capsys):
+    for step in (1, 2, 3):
+        atomic_save({"step": step}, tmp_path / step_name(step, ".pt"))
+    stuck, replace = tmp_path / step_name(1, ".pt"), os.replace
+
+    def refuse(src, dst):  # what a folder of another user's allows (root, running the tests, may do anything)
+        if Path(src) == stuck:
+            raise PermissionError(13, "Permission denied")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    for committed in (3, 4):  # pruned after each commit: said once
+        atomic_save({"step": committed}, tmp_path / step_name(committed, ".pt"))
+        prune(tmp_path, keep=1, committed_step=committed)
+    assert [s for s, _ in checkpoints(tmp_path)] == [4, 1] and not list(tmp_path.glob(".*"))
+    assert capsys.readouterr().out == f"could not delete {stuck} (Permission denied): it is kept; delete it yourself\n"
 
 
 def test_prune_never_deletes_the_checkpoint_just_committed(tmp_path):
