@@ -17,8 +17,14 @@ checkpoint's would be.
 
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
+
+DDP on several nodes (open_tier's `replicate`): the thread also sends each record to the same local
+rank of the next node, which keeps it as <run>-rank<R>-slot<S>.replica.json. Every node holding the
+same model and optimizer, a node replaced with an empty memory resumes from memory all the same: its
+ranks get the state from a peer and their RNG from the replicas (resume_from_memory).
 """
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -67,10 +73,12 @@ def tier_problems(cfg, params, sharded):
     return [problem] if problem else []
 
 
-def open_tier(cfg, ckpt_dir, group):
+def open_tier(cfg, ckpt_dir, group, replicate=False):
     """This rank's Snapshots for the run, sharing one copy of the state with the ranks `group`; None,
     said in one line, on every rank if one has no /dev/shm (the tier's collectives need all of them).
-    Every rank calls it: rank 0 reads or creates the run's id and sends it to the others."""
+    Every rank calls it: rank 0 reads or creates the run's id and sends it to the others. `replicate`
+    (DDP: every node holds the same model and optimizer) sends each record to the same local rank of
+    the next node, so that a node replaced with an empty memory resumes from its peers'."""
     if not cfg.snapshot_every:
         return None
     have = [None] * dist.get_world_size()
@@ -80,9 +88,15 @@ def open_tier(cfg, ckpt_dir, group):
         return None
     ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
-    snapshots = Snapshots(folder_of(cfg), ids[0], dist.get_rank(), group, cfg.snapshot_every,
-                          {"world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)})
-    print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}")
+    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    peers = None
+    if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
+        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
+        peers = ((rank + local) % world, (rank - local) % world, side)
+    snapshots = Snapshots(folder_of(cfg), ids[0], rank, group, cfg.snapshot_every,
+                          {"world_size": world, "config": dataclasses.asdict(cfg)}, peers)
+    print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}"
+           + (f", each record also kept by rank + {local} (the next node)" if peers else ""))
     return snapshots
 
 
@@ -185,10 +199,12 @@ class Snapshots:
     The ranks `group` (a range) share one copy of the state, in the .bin named after its first rank,
     each copying and checksumming its part: an FSDP rank is a group of its own (its shards); DDP's
     ranks on a node form one group, their states being the same. `record` is what every record says of
-    the run (its id, world size, config)."""
+    the run (its id, world size, config). `peers` (partner, source, side group): each record is sent to
+    the partner, which keeps it as a replica, and the source's is received and kept."""
 
-    def __init__(self, folder, run, rank, group, every, record):
+    def __init__(self, folder, run, rank, group, every, record, peers=None):
         self.folder, self.run, self.rank, self.group, self.every = Path(folder), run, rank, group, every
+        self.peers = peers
         self.record = {"format": FORMAT, "run": run, **record}
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone: see room_problem
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
@@ -205,7 +221,9 @@ class Snapshots:
         return step // self.every % 2
 
     def due(self, step):
-        return self.every > 0 and step % self.every == 0 and not self.failed
+        """A snapshot at `step`; with peers, even on a rank whose copies failed: its partner and source
+        still exchange records with it (an empty one from it), as they cannot know."""
+        return self.every > 0 and step % self.every == 0 and (not self.failed or self.peers is not None)
 
     # ------------------------------------------------------------------------- write
     def start(self, step, state, rng, crash_midway=None):
@@ -232,13 +250,27 @@ class Snapshots:
             try:
                 self.copying.result()
             except Exception as e:
-                print(f"rank {self.rank}: memory snapshot failed ({str(e).strip()[:160]}): the memory tier is off "
-                      "on this rank, the disk checkpoints go on", flush=True)
+                if not self.failed:
+                    print(f"rank {self.rank}: memory snapshot failed ({str(e).strip()[:160]}): the memory tier is "
+                          "off on this rank, the disk checkpoints go on", flush=True)
                 self.failed = True
             self.copying = None
         return time.perf_counter() - t0
 
     def _write(self, step, rng, crash_midway):
+        """The copy and its record (not after a failed one), then the exchange of records with the peers."""
+        payload, error = b"", None
+        if not self.failed:
+            try:
+                payload = self._copy(step, rng, crash_midway)
+            except Exception as e:  # still exchange (an empty record), then report it
+                error = e
+        if self.peers:
+            self._exchange(payload)
+        if error is not None:
+            raise error
+
+    def _copy(self, step, rng, crash_midway):
         slot = self.slot(step)
         record_path = self.path(self.rank, slot, ".json")
         record_path.unlink(missing_ok=True)  # from here until the rename, this slot is not a snapshot
@@ -255,7 +287,29 @@ class Snapshots:
         record = {**self.record, "step": step, "slot": slot, "rank": self.rank, "rng": rng_to_json(rng),
                   "layout": self.entries, "nbytes": self.nbytes, "part": [lo, hi],
                   "crc32": zlib.crc32(buf[lo:hi].numpy())}
-        atomic_write(record_path, lambda f: f.write(json.dumps(record).encode()))  # JSON: nothing in it runs
+        payload = json.dumps(record).encode()
+        atomic_write(record_path, lambda f: f.write(payload))  # JSON: nothing in it runs
+        return payload
+
+    def replica_path(self, rank, slot):
+        return self.folder / f"{self.run}-rank{rank}-slot{slot}.replica.json"
+
+    def _exchange(self, payload):
+        """Send this rank's record to the partner and keep the source's, over the side group: first the
+        sizes, then the bytes (none for an empty record)."""
+        partner, source, side = self.peers
+        out, size = torch.frombuffer(bytearray(payload + b"\0"), dtype=torch.uint8)[:len(payload)], torch.zeros(1, dtype=torch.int64)
+        for request in (dist.isend(torch.tensor([len(payload)]), partner, group=side), dist.irecv(size, source, group=side)):
+            request.wait()
+        incoming = torch.empty(int(size), dtype=torch.uint8)
+        requests = ([dist.isend(out, partner, group=side)] if len(payload) else [])
+        requests += [dist.irecv(incoming, source, group=side)] if len(incoming) else []
+        for request in requests:
+            request.wait()
+        if len(incoming):
+            data = incoming.numpy().tobytes()
+            slot = json.loads(data)["slot"]
+            atomic_write(self.replica_path(source, slot), lambda f: f.write(data))
 
     # ------------------------------------------------------------------------- read
     def records(self):
@@ -270,6 +324,20 @@ class Snapshots:
             if record.get("format") == FORMAT and record.get("run") == self.run:
                 found[record["step"]] = record
         return found
+
+    def replica_records(self):
+        """{source rank: {step: record}} of the replicas this rank keeps, of this run ({}: none)."""
+        if not self.peers:
+            return {}
+        source, found = self.peers[1], {}
+        for slot in (0, 1):
+            try:
+                record = json.loads(self.replica_path(source, slot).read_text())
+            except (OSError, ValueError):  # absent, or not a record
+                continue
+            if (record.get("format"), record.get("run"), record.get("rank")) == (FORMAT, self.run, source):
+                found[record["step"]] = record
+        return {source: found} if found else {}
 
     def load(self, record):
         """The tensors and RNG of `record` (this rank's): the group's .bin, each part checked against
@@ -334,46 +402,72 @@ def restore(tensors, entries, model_state, optim_state):
 
 
 def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_problem):
-    """Restore the newest snapshot that every rank holds whole, if it is newer than the newest disk
-    checkpoint (`disk_step`, as rank 0 sees it; None if there is none): its tensors into `model` and
+    """Restore the newest snapshot that every rank can restore whole, if it is newer than the newest
+    disk checkpoint (`disk_step`, as rank 0 sees it; None if there is none): its tensors into `model` and
     `optimizer`, its RNG into this rank. `config_problem(record)` is the resume check a disk checkpoint's
     config gets (a line, or None). Returns the step restored, or None (with a line saying why, if there
     was a snapshot) for the caller to load from disk.
 
     One collective settles which steps every rank can restore; each rank then checks the data it reads
-    against its checksum, and the ranks agree on the outcome: they load the same step, or all fall back."""
+    against its checksum, and the ranks agree on the outcome: they load the same step, or all fall back.
+    A rank with no snapshot of a step (its node replaced, its memory empty) can still restore it where
+    its record has a replica on a peer (open_tier's `replicate`, DDP): the model and optimizer then come
+    from a rank that has the step (the same on every DDP rank), its RNG from the replica."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    records, problems = snapshots.records(), {}
-    for step, record in records.items():
-        problems[step] = (f"written at world size {record['world_size']}, this job has {world} (the memory tier "
-                          "does not reshard)" if record["world_size"] != world else config_problem(record))
+    records, replicas = snapshots.records(), snapshots.replica_records()
+
+    def problem(record):
+        return (f"written at world size {record['world_size']}, this job has {world} (the memory tier does not "
+                "reshard)" if record["world_size"] != world else config_problem(record))
+
+    problems = {step: problem(record) for step, record in records.items()}
+    kept = {owner: [s for s, record in found.items() if problem(record) is None] for owner, found in replicas.items()}
     everyone = [None] * world
-    dist.all_gather_object(everyone, (problems, disk_step))
+    dist.all_gather_object(everyone, (problems, disk_step, kept))
     disk_step = everyone[0][1]
-    newest = max((s for found, _ in everyone for s in found), default=None)
+    newest = max((s for found, _, _ in everyone for s in found), default=None)
     if newest is None:
         return None
-    usable = set.intersection(*({s for s, problem in found.items() if problem is None} for found, _ in everyone))
+    own = [{s for s, problem in found.items() if problem is None} for found, _, _ in everyone]
+    from_peers = [set() for _ in range(world)]
+    for _, _, held in everyone:
+        for owner, steps in held.items():
+            from_peers[owner].update(steps)
+    usable = {s for s in set.union(*own) if all(s in own[r] or s in from_peers[r] for r in range(world))}
     candidates = sorted((s for s in usable if disk_step is None or s > disk_step), reverse=True)
     if not candidates or candidates[0] != newest:
         missing = next((f"rank {r}: {found[newest]}" if newest in found else f"rank {r} has none"
-                        for r, (found, _) in enumerate(everyone) if found.get(newest, "") is not None), None)
+                        for r, (found, _, _) in enumerate(everyone) if found.get(newest, "") is not None), None)
         why = missing or f"the disk checkpoint of step {disk_step} is not older"
         print0(f"memory snapshot of step {newest} not used: {why}"
                + (f"; trying step {candidates[0]}" if candidates else "; loading from disk"))
     for step in candidates:
-        error = None
+        error, rng = None, None
         try:
-            tensors, entries, rng = snapshots.load(records[step])
             model_state, optim_state = get_state_dict(model, optimizer)
-            restore(tensors, entries, model_state, optim_state)
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            if step in own[rank]:
+                tensors, entries, rng = snapshots.load(records[step])
+                restore(tensors, entries, model_state, optim_state)
+                set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         except Exception as e:  # whatever is wrong with files in a folder of tmpfs, the disk is still there
             error = e
             print(f"rank {rank}: memory snapshot of step {step} not loaded ({e})", flush=True)
-        if agree(error is None, device):
-            set_rng_state(rng)
-            return step
-        print0(f"memory snapshot of step {step} did not load on every rank: "
-               + ("trying the older one" if step != candidates[-1] else "loading from disk"))
+        if not agree(error is None, device):
+            print0(f"memory snapshot of step {step} did not load on every rank: "
+                   + ("trying the older one" if step != candidates[-1] else "loading from disk"))
+            continue
+        needy = [r for r in range(world) if step not in own[r]]
+        if needy:  # a replaced node's ranks: their records from the replicas, the state from a rank that has it
+            offers = [None] * world
+            dist.all_gather_object(offers, {r: replicas[r][step] for r in needy if step in replicas.get(r, {})})
+            if rng is None:
+                rng = rng_from_json(next(offer[rank] for offer in offers if rank in offer)["rng"])
+            source = min(r for r in range(world) if step in own[r])
+            for _, t in local_tensors((model_state, optim_state)):
+                dist.broadcast(t, source)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
+                   f"the replicas, the model and optimizer from rank {source}")
+        set_rng_state(rng)
+        return step
     return None

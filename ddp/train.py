@@ -321,9 +321,11 @@ def main(cfg):
         write_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if cfg.async_save
                       else None)
         # The memory tier (common/snapshot.py): every rank's RNG, and one copy per node of the model and
-        # optimizer, which the node's ranks (numbered in a row by torchrun) copy a part each.
+        # optimizer, which the node's ranks (numbered in a row by torchrun) copy a part each; each rank's
+        # record also goes to a rank of the next node, so that a replaced node resumes from memory too.
         first = rank - int(os.environ.get("LOCAL_RANK", 0))
-        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+                                       replicate=True)
         run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, write_pool, snapshots)
 
         # --------------------------------------------------------------------- data

@@ -15,7 +15,7 @@ import pytest
 from common import snapshot
 from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import phases
-from conftest import REPO, SMALL, metrics, summary, torchrun, wait_for_step
+from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun, wait_for_step
 
 
 def nodes(script, nproc, run_dir, flags, nnodes):
@@ -24,9 +24,10 @@ def nodes(script, nproc, run_dir, flags, nnodes):
     the endpoint's machine would); its log is <run_dir>-node<n>.log."""
     endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
 
-    def start_node(node):
-        return start(*torchrun_command(script, nproc, run_dir, flags, nnodes=nnodes, endpoint=endpoint,
-                                       rdzv_id=rdzv_id, is_host=node == 0), log=f"{run_dir}-node{node}.log")
+    def start_node(node, extra=(), log=None):  # one thread a worker, as torchrun sets it for nproc > 1 only
+        return start(*torchrun_command(script, nproc, run_dir, [*flags, *extra], nnodes=nnodes, endpoint=endpoint,
+                                       rdzv_id=rdzv_id, is_host=node == 0, env={"OMP_NUM_THREADS": "1"}),
+                     log=log or f"{run_dir}-node{node}.log")
     return start_node
 
 
@@ -90,6 +91,34 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     split = phases([e for r in range(2) for e in metrics(run, r)], lost_at)
     print(f"node lost -> first step at 2 ranks: {split}")
     assert split["replayed_steps"] >= 1 and split["total_s"] <= 30, split
+
+
+def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path):
+    # DDP on two nodes of one rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole
+    # after step 20, before the first disk save, and a new node takes its place with an empty memory.
+    # Its rank restores the step from node 0's copy of the model and optimizer (the same on every DDP
+    # rank) and its own RNG from the replica of its record that node 0 kept: no step since the disk save
+    # is replayed, only those since the last record node 0 received. (2:2 nodes: a fixed pair, with the
+    # elastic settings that drop a lost node from the rendezvous in seconds, not 15.)
+    flags = [*SMALL, *DROPOUT, "--steps", 80, "--save-every", 40]  # 60 steps (about a second) after step 20
+    reference = tmp_path / "reference"
+    torchrun("ddp/train.py", 2, reference, *flags)
+    run = tmp_path / "run"
+    start_node = nodes("ddp/train.py", 1, run, flags, nnodes="2:2")
+    first = start_node(0, ["--snapshot-dir", tmp_path / "memory-0"])
+    lost = start_node(1, ["--snapshot-dir", tmp_path / "memory-1"])
+    assert wait_for_step(run, 20, first), "the job ended before step 20: the node was never lost"
+    kill_node(lost)
+    lost_at = time.time()
+    done_before = max(e["step"] for e in metrics(run, 0, "step") if e["time"] < lost_at)
+    new = start_node(1, ["--snapshot-dir", tmp_path / "memory-new"], log=f"{run}-node1-new.log")
+    ended = [finish(agent, lost_at + 120) for agent in (first, new)]
+    assert all(code == 0 and not hung for code, _, hung in ended), [output[-3000:] for _, output, _ in ended]
+    loads = [e for r in range(2) for e in metrics(run, r, "load") if e["time"] > lost_at]
+    assert {(e["step"], e["source"]) for e in loads} == {(loads[0]["step"], "memory")} and len(loads) == 2
+    assert done_before - 1 <= loads[0]["step"] <= done_before + 1, (done_before, loads)
+    assert "ranks [1] had none (a replaced node)" in ended[0][1]
+    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
 def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
