@@ -18,10 +18,12 @@ checkpoint's would be.
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
 
-DDP on several nodes (open_tier's `replicate`): the thread also sends each record to the same local
-rank of the next node, which keeps it as <run>-rank<R>-slot<S>.replica.json. Every node holding the
-same model and optimizer, a node replaced with an empty memory resumes from memory all the same: its
-ranks get the state from a peer and their RNG from the replicas (resume_from_memory).
+On several nodes (open_tier's `replicate`) the thread also sends each record to the same local rank
+of the next node, which keeps it as <run>-rank<R>-slot<S>.replica.json, so that a node replaced with
+an empty memory still resumes from memory (resume_from_memory). DDP ("records"): every node holds the
+same model and optimizer, so a new rank takes them from a peer and its RNG from its replica. FSDP
+("shards"): the record's shards go with it, into <run>-rank<R>-slot<S>-<size>.replica.bin, and a new
+rank receives them from the rank that keeps them.
 """
 import dataclasses
 import datetime
@@ -73,12 +75,12 @@ def tier_problems(cfg, params, sharded):
     return [problem] if problem else []
 
 
-def open_tier(cfg, ckpt_dir, group, replicate=False):
+def open_tier(cfg, ckpt_dir, group, replicate=None):
     """This rank's Snapshots for the run, sharing one copy of the state with the ranks `group`; None,
     said in one line, on every rank if one has no /dev/shm (the tier's collectives need all of them).
     Every rank calls it: rank 0 reads or creates the run's id and sends it to the others. `replicate`
-    (DDP: every node holds the same model and optimizer) sends each record to the same local rank of
-    the next node, so that a node replaced with an empty memory resumes from its peers'."""
+    sends each record ("records": DDP, whose nodes hold the same state) or each record and its shards
+    ("shards": FSDP) to the same local rank of the next node (see the module's docstring)."""
     if not cfg.snapshot_every:
         return None
     have = [None] * dist.get_world_size()
@@ -92,11 +94,12 @@ def open_tier(cfg, ckpt_dir, group, replicate=False):
     peers = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
-        peers = ((rank + local) % world, (rank - local) % world, side)
+        peers = ((rank + local) % world, (rank - local) % world, side, replicate)
     snapshots = Snapshots(folder_of(cfg), ids[0], rank, group, cfg.snapshot_every,
                           {"world_size": world, "config": dataclasses.asdict(cfg)}, peers)
     print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}"
-           + (f", each record also kept by rank + {local} (the next node)" if peers else ""))
+           + (f", each {'record' if replicate == 'records' else 'record and its shards'} also kept by rank "
+              f"+ {local} (the next node)" if peers else ""))
     return snapshots
 
 
@@ -167,8 +170,9 @@ def views(buf, entries):
 
 def needed_bytes(params, world, local_world, sharded):
     """Bytes a node's snapshot folder holds: two slots of 12 bytes a parameter, for each copy on the
-    node (sharded: each local rank holds 1/world of the state; else one copy per node)."""
-    copies = local_world / world if sharded else 1
+    node (sharded: each local rank holds 1/world of the state, and on several nodes the shards of a
+    rank of the node before as well; else one copy per node)."""
+    copies = local_world / world * (2 if world > local_world else 1) if sharded else 1
     return int(2 * STATE_BYTES_PER_PARAM * params * copies)
 
 
@@ -199,8 +203,9 @@ class Snapshots:
     The ranks `group` (a range) share one copy of the state, in the .bin named after its first rank,
     each copying and checksumming its part: an FSDP rank is a group of its own (its shards); DDP's
     ranks on a node form one group, their states being the same. `record` is what every record says of
-    the run (its id, world size, config). `peers` (partner, source, side group): each record is sent to
-    the partner, which keeps it as a replica, and the source's is received and kept."""
+    the run (its id, world size, config). `peers` (partner, source, side group, "records" or "shards"):
+    each record (and its shards) is sent to the partner, which keeps it as a replica, and the source's
+    is received and kept."""
 
     def __init__(self, folder, run, rank, group, every, record, peers=None):
         self.folder, self.run, self.rank, self.group, self.every = Path(folder), run, rank, group, every
@@ -213,6 +218,7 @@ class Snapshots:
         self.tensors = None  # the live tensors copied at each snapshot, found at the first
         self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
+        self.replica_maps = {}  # (slot, size) -> the source's shards kept here (replicate "shards")
 
     def path(self, rank, slot, suffix):
         return self.folder / f"{self.run}-rank{rank}-slot{slot}{suffix}"
@@ -266,7 +272,7 @@ class Snapshots:
             except Exception as e:  # still exchange (an empty record), then report it
                 error = e
         if self.peers:
-            self._exchange(payload)
+            self._exchange(payload, self.slot(step))
         if error is not None:
             raise error
 
@@ -294,22 +300,37 @@ class Snapshots:
     def replica_path(self, rank, slot):
         return self.folder / f"{self.run}-rank{rank}-slot{slot}.replica.json"
 
-    def _exchange(self, payload):
-        """Send this rank's record to the partner and keep the source's, over the side group: first the
-        sizes, then the bytes (none for an empty record)."""
-        partner, source, side = self.peers
-        out, size = torch.frombuffer(bytearray(payload + b"\0"), dtype=torch.uint8)[:len(payload)], torch.zeros(1, dtype=torch.int64)
+    def replica_bin(self, rank, slot, nbytes):
+        return self.folder / f"{self.run}-rank{rank}-slot{slot}-{nbytes}.replica.bin"
+
+    def _exchange(self, payload, slot):
+        """Send this rank's record of `slot` (and its shards) to the partner and keep the source's, over
+        the side group: the sizes, then the bytes (none for an empty record). The replica's record is
+        deleted before its shards arrive and written after them, as a slot's own."""
+        partner, source, side, mode = self.peers
+        size = torch.zeros(1, dtype=torch.int64)
         for request in (dist.isend(torch.tensor([len(payload)]), partner, group=side), dist.irecv(size, source, group=side)):
             request.wait()
-        incoming = torch.empty(int(size), dtype=torch.uint8)
-        requests = ([dist.isend(out, partner, group=side)] if len(payload) else [])
+        out, incoming = torch.frombuffer(bytearray(payload + b"\0"), dtype=torch.uint8)[:len(payload)], torch.empty(int(size), dtype=torch.uint8)
+        requests = [dist.isend(out, partner, group=side)] if len(payload) else []
         requests += [dist.irecv(incoming, source, group=side)] if len(incoming) else []
         for request in requests:
             request.wait()
-        if len(incoming):
+        record = json.loads(incoming.numpy().tobytes()) if len(incoming) else None
+        if mode == "shards":
+            requests = [dist.isend(self.maps[slot][0], partner, group=side)] if len(payload) else []
+            if record is not None:
+                self.replica_path(source, record["slot"]).unlink(missing_ok=True)
+                key = (record["slot"], record["nbytes"])
+                if key not in self.replica_maps:
+                    self.replica_maps[key] = torch.from_file(str(self.replica_bin(source, *key)), shared=True,
+                                                             size=record["nbytes"], dtype=torch.uint8)
+                requests.append(dist.irecv(self.replica_maps[key], source, group=side))
+            for request in requests:
+                request.wait()
+        if record is not None:
             data = incoming.numpy().tobytes()
-            slot = json.loads(data)["slot"]
-            atomic_write(self.replica_path(source, slot), lambda f: f.write(data))
+            atomic_write(self.replica_path(source, record["slot"]), lambda f: f.write(data))
 
     # ------------------------------------------------------------------------- read
     def records(self):
@@ -326,7 +347,8 @@ class Snapshots:
         return found
 
     def replica_records(self):
-        """{source rank: {step: record}} of the replicas this rank keeps, of this run ({}: none)."""
+        """{source rank: {step: record}} of the replicas this rank keeps, of this run ({}: none); with
+        shards, only those whose shards match the record's checksum."""
         if not self.peers:
             return {}
         source, found = self.peers[1], {}
@@ -335,9 +357,22 @@ class Snapshots:
                 record = json.loads(self.replica_path(source, slot).read_text())
             except (OSError, ValueError):  # absent, or not a record
                 continue
-            if (record.get("format"), record.get("run"), record.get("rank")) == (FORMAT, self.run, source):
-                found[record["step"]] = record
+            if (record.get("format"), record.get("run"), record.get("rank")) != (FORMAT, self.run, source):
+                continue
+            if self.peers[3] == "shards" and self.replica_shards(record) is None:
+                print(f"rank {self.rank}: the replica of rank {source}'s step {record['step']} is damaged: not used",
+                      flush=True)
+                continue
+            found[record["step"]] = record
         return {source: found} if found else {}
+
+    def replica_shards(self, record):
+        """The source's shards of `record`, kept here (uint8), if they match its checksum; else None."""
+        path = self.replica_bin(record["rank"], record["slot"], record["nbytes"])
+        if record["part"] != [0, record["nbytes"]] or not path.is_file() or path.stat().st_size != record["nbytes"]:
+            return None
+        buf = torch.from_file(str(path), shared=False, size=record["nbytes"], dtype=torch.uint8)
+        return buf if zlib.crc32(buf.numpy()) == record["crc32"] else None
 
     def load(self, record):
         """The tensors and RNG of `record` (this rank's): the group's .bin, each part checked against
@@ -411,8 +446,9 @@ def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_pr
     One collective settles which steps every rank can restore; each rank then checks the data it reads
     against its checksum, and the ranks agree on the outcome: they load the same step, or all fall back.
     A rank with no snapshot of a step (its node replaced, its memory empty) can still restore it where
-    its record has a replica on a peer (open_tier's `replicate`, DDP): the model and optimizer then come
-    from a rank that has the step (the same on every DDP rank), its RNG from the replica."""
+    its record has a replica on a peer (open_tier's `replicate`): its RNG from the replica, and the model
+    and optimizer from a rank that has the step (DDP, "records": the same on every rank) or its shards
+    from the rank that keeps them (FSDP, "shards")."""
     rank, world = dist.get_rank(), dist.get_world_size()
     records, replicas = snapshots.records(), snapshots.replica_records()
 
@@ -433,7 +469,9 @@ def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_pr
     for _, _, held in everyone:
         for owner, steps in held.items():
             from_peers[owner].update(steps)
-    usable = {s for s in set.union(*own) if all(s in own[r] or s in from_peers[r] for r in range(world))}
+    mode = snapshots.peers[3] if snapshots.peers else None
+    pool = set.union(*own) | (set.union(*from_peers) if mode == "shards" else set())  # "records": a peer has it
+    usable = {s for s in pool if all(s in own[r] or s in from_peers[r] for r in range(world))}
     candidates = sorted((s for s in usable if disk_step is None or s > disk_step), reverse=True)
     if not candidates or candidates[0] != newest:
         missing = next((f"rank {r}: {found[newest]}" if newest in found else f"rank {r} has none"
@@ -448,7 +486,6 @@ def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_pr
             if step in own[rank]:
                 tensors, entries, rng = snapshots.load(records[step])
                 restore(tensors, entries, model_state, optim_state)
-                set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         except Exception as e:  # whatever is wrong with files in a folder of tmpfs, the disk is still there
             error = e
             print(f"rank {rank}: memory snapshot of step {step} not loaded ({e})", flush=True)
@@ -457,17 +494,30 @@ def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_pr
                    + ("trying the older one" if step != candidates[-1] else "loading from disk"))
             continue
         needy = [r for r in range(world) if step not in own[r]]
-        if needy:  # a replaced node's ranks: their records from the replicas, the state from a rank that has it
+        if needy:  # a replaced node's ranks: their records from the replicas, their state from peers
             offers = [None] * world
             dist.all_gather_object(offers, {r: replicas[r][step] for r in needy if step in replicas.get(r, {})})
-            if rng is None:
-                rng = rng_from_json(next(offer[rank] for offer in offers if rank in offer)["rng"])
-            source = min(r for r in range(world) if step in own[r])
-            for _, t in local_tensors((model_state, optim_state)):
-                dist.broadcast(t, source)
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            holder = {r: h for h, offer in enumerate(offers) for r in offer}
+            if rank in needy:
+                record = offers[holder[rank]][rank]
+                rng = rng_from_json(record["rng"])
+            if mode == "shards":  # each needy rank's shards from the rank that keeps them, in turn
+                for r in needy:
+                    if rank == holder[r]:
+                        dist.send(snapshots.replica_shards(replicas[r][step]), r, group=snapshots.peers[2])
+                    elif rank == r:
+                        buf = torch.empty(record["nbytes"], dtype=torch.uint8)
+                        dist.recv(buf, holder[r], group=snapshots.peers[2])
+                        restore(views(buf, record["layout"]), record["layout"], model_state, optim_state)
+                how = "their shards from the ranks that kept them"
+            else:
+                source = min(r for r in range(world) if step in own[r])
+                for _, t in local_tensors((model_state, optim_state)):
+                    dist.broadcast(t, source)
+                how = f"the model and optimizer from rank {source}"
             print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
-                   f"the replicas, the model and optimizer from rank {source}")
+                   f"the replicas, {how}")
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         set_rng_state(rng)
         return step
     return None

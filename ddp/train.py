@@ -325,7 +325,7 @@ def main(cfg):
         # record also goes to a rank of the next node, so that a replaced node resumes from memory too.
         first = rank - int(os.environ.get("LOCAL_RANK", 0))
         snapshots = snapshot.open_tier(cfg, ckpt_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
-                                       replicate=True)
+                                       replicate="records")
         run = Run(cfg, rank, world, device, ckpt_dir, monitor, faults, write_pool, snapshots)
 
         # --------------------------------------------------------------------- data

@@ -390,7 +390,8 @@ def main(cfg):
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(rank, rank + 1))  # the memory tier: a rank's shards, RNG
+        # The memory tier: a rank's shards and RNG, also kept by a rank of the next node (common/snapshot.py)
+        snapshots = snapshot.open_tier(cfg, ckpt_dir, range(rank, rank + 1), replicate="shards")
         step, resumed_from = resume(cfg, ckpt_dir, snapshots, model, optimizer, fused, device, monitor)
         monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
                       world_size=world)

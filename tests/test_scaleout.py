@@ -93,18 +93,20 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     assert split["replayed_steps"] >= 1 and split["total_s"] <= 30, split
 
 
-def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path):
-    # DDP on two nodes of one rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole
-    # after step 20, before the first disk save, and a new node takes its place with an empty memory.
-    # Its rank restores the step from node 0's copy of the model and optimizer (the same on every DDP
-    # rank) and its own RNG from the replica of its record that node 0 kept: no step since the disk save
-    # is replayed, only those since the last record node 0 received. (2:2 nodes: a fixed pair, with the
-    # elastic settings that drop a lost node from the rendezvous in seconds, not 15.)
+@pytest.mark.parametrize("script, how", [("ddp/train.py", "the model and optimizer from rank 0"),
+                                         ("fsdp/train.py", "their shards from the ranks that kept them")])
+def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, script, how):
+    # Two nodes of one rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole after
+    # step 20, before the first disk save, and a new node takes its place with an empty memory. Its rank
+    # restores the step from node 0: DDP's model and optimizer (the same on every rank) or FSDP's shards
+    # of rank 1, which node 0 kept, and its RNG from the replica of its record: no step since the disk
+    # save is replayed, only those since the last record node 0 received. (2:2 nodes: a fixed pair, with
+    # the elastic settings that drop a lost node from the rendezvous in seconds, not 15.)
     flags = [*SMALL, *DROPOUT, "--steps", 80, "--save-every", 40]  # 60 steps (about a second) after step 20
     reference = tmp_path / "reference"
-    torchrun("ddp/train.py", 2, reference, *flags)
+    torchrun(script, 2, reference, *flags)
     run = tmp_path / "run"
-    start_node = nodes("ddp/train.py", 1, run, flags, nnodes="2:2")
+    start_node = nodes(script, 1, run, flags, nnodes="2:2")
     first = start_node(0, ["--snapshot-dir", tmp_path / "memory-0"])
     lost = start_node(1, ["--snapshot-dir", tmp_path / "memory-1"])
     assert wait_for_step(run, 20, first), "the job ended before step 20: the node was never lost"
@@ -117,7 +119,7 @@ def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path):
     loads = [e for r in range(2) for e in metrics(run, r, "load") if e["time"] > lost_at]
     assert {(e["step"], e["source"]) for e in loads} == {(loads[0]["step"], "memory")} and len(loads) == 2
     assert done_before - 1 <= loads[0]["step"] <= done_before + 1, (done_before, loads)
-    assert "ranks [1] had none (a replaced node)" in ended[0][1]
+    assert f"ranks [1] had none (a replaced node): their records from the replicas, {how}" in ended[0][1]
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 

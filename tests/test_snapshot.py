@@ -140,6 +140,8 @@ def test_room_is_checked_before_training(tmp_path):
     assert snapshot.room_problem(tmp_path, 1024) is None
     problem = snapshot.room_problem(tmp_path, 2**60)
     assert problem.startswith(f"--snapshot-dir {tmp_path}: the memory tier needs") and "--snapshot-every 0" in problem
-    # Two slots of 12 bytes a parameter: one copy per node for DDP, a rank's share of it for FSDP.
+    # Two slots of 12 bytes a parameter: one copy per node for DDP, a rank's share of it for FSDP, and
+    # on several nodes that of a rank of the node before (its replica).
     assert snapshot.needed_bytes(1000, 4, 4, sharded=False) == 24_000
-    assert snapshot.needed_bytes(1000, 8, 4, sharded=True) == 12_000
+    assert snapshot.needed_bytes(1000, 4, 4, sharded=True) == 24_000
+    assert snapshot.needed_bytes(1000, 8, 4, sharded=True) == 24_000 and snapshot.needed_bytes(1000, 8, 2, True) == 12_000
