@@ -7,6 +7,7 @@
 #                                                   requirements.txt claims (TORCH_VERSION=X.Y.Z: another)
 #   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
 #   bash run.sh chaos [--trials N] [--seed S]        random faults, each job checked against its reference
+#   bash run.sh goodput [flags]                      goodput under random kills: memory tier against disk alone
 #
 # Multi-node: NNODES (N, or MIN:MAX), NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID;
 # MAX_RESTARTS.
@@ -27,7 +28,7 @@ from_caller() {
 
 usage() {
   echo "usage: bash run.sh ddp|fsdp|rpc NPROC [script flags]  |  bash run.sh test [pytest args]" \
-       " |  bash run.sh compat [pytest args]  |  bash run.sh compare NPROC [flags]  |  bash run.sh chaos [flags]" >&2
+       " |  bash run.sh compat [pytest args]  |  bash run.sh compare NPROC [flags]  |  bash run.sh chaos|goodput [flags]" >&2
   exit 2
 }
 
@@ -119,6 +120,7 @@ case "$mode" in
   compat) compat "$@" ;;
   compare) python_with "${TEST[@]}"; from_caller compare "$@" ;;
   chaos) python_with "${TEST[@]}"; from_caller chaos "$@" ;;
+  goodput) python_with "${TEST[@]}"; from_caller goodput "$@" ;;
   *) usage ;;
 esac
 

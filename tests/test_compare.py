@@ -105,3 +105,10 @@ def test_save_bench_bad_input_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--threads 8,x: positive integers, comma-separated" in proc.stderr
+
+
+def test_goodput_bad_input_is_one_line():
+    # `bash run.sh goodput` itself runs for minutes (README: its figures); its flags are checked first.
+    proc = run_sh("goodput", "--steps", 5)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("bash run.sh goodput: error: --script ddp/train.py or fsdp/train.py"), proc.stderr
