@@ -62,11 +62,11 @@ def parse_config(cls, check=None, argv=None, prog=None, presets=None):
     return cfg
 
 
-# The valid values of every numeric training flag of the three scripts, by field name: (rule, test);
-# the model's flags have theirs in common/model.py. Checked before any worker starts;
+# The rules a flag's value must follow: (rule, test). Each script lists its numeric flags' rules in a
+# RANGES dict beside its Config, the model's are in common/model.py; checked before any worker starts;
 # tests/test_common.py tries a value outside each range, for every field of every script's Config, so
-# a new numeric flag must be listed here or there. None is valid where it is the default (an optional
-# fault). NaN fails every rule.
+# a new numeric flag must be listed there. None is valid where it is the default (an optional fault).
+# NaN fails every rule.
 POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
@@ -74,15 +74,6 @@ ANY_INT = ("any integer", lambda v: True)
 AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
 SEED = ("must be in [0, 2^32)", lambda v: 0 <= v < 2**32)  # the data's seeds are seed * 1_000_003 + step
 SECONDS = ("must be in (0, 604800] (a week)", lambda v: 0 < v <= 604800)  # a timedelta, a socket timeout
-RANGES = {
-    "steps": POSITIVE, "save_every": NON_NEGATIVE, "mtbf_h": POSITIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE,
-    "weight_decay": NON_NEGATIVE, "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS, "hang_timeout_s": SECONDS,
-    "straggler_timeout": SECONDS, "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_staging": POSITIVE,
-    "nan_at_step": POSITIVE, "save_threads": POSITIVE, "drop_trainer_at_step": POSITIVE,
-    "snapshot_every": NON_NEGATIVE, "crash_in_snapshot": POSITIVE,
-    "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE,
-    "slow_factor": AT_LEAST_ONE, "grad_accum": AT_LEAST_ONE, "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE,
-}
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 
 
@@ -96,9 +87,10 @@ def range_problems(cfg, ranges):
     return problems
 
 
-def flag_problems(cfg, data_ranks):
-    """Problems with the flags every script shares; `data_ranks` is how many ranks split the batch."""
-    problems = range_problems(cfg, RANGES)
+def flag_problems(cfg, data_ranks, ranges):
+    """Problems with the flags every script shares, and with the values of the numeric flags that the
+    script's `ranges` lists; `data_ranks` is how many ranks split the batch."""
+    problems = range_problems(cfg, ranges)
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
                  for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
     if not problems and cfg.batch_size % data_ranks:

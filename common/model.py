@@ -35,7 +35,7 @@ PRESETS = {
 
 # The fields that fix the shape of the weights: a checkpoint made with other values cannot be loaded.
 SHAPE_FIELDS = ("vocab", "seq_len", "dim", "layers", "heads", "tie_head")
-# The valid values of the model's flags (common.config.RANGES has the training flags').
+# The valid values of the model's flags (each script's RANGES has its training flags').
 RANGES = {"vocab": POSITIVE, "seq_len": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE,
           "dropout": FRACTION}
 

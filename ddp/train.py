@@ -40,7 +40,8 @@ from common.checkpoint import (FIRST_AUTO_SAVE, atomic_save, atomic_write_json, 
                                load_newest, lock_run_dir, newest_resume_problem, ownership_problems, param_digest,
                                prune, resume_problem, rng_state, run_dir_problems, seed_rng, set_rng_state,
                                step_name)
-from common.config import fail, flag_problems, parse_config
+from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SEED, fail, flag_problems,
+                           parse_config)
 from common.data import StepData, data_problems
 from common.dist import (PREEMPTED, StepGuard, agree, device_problems, exit_without_finalizing,
                          peer_loss_in_one_line, print0, restarts, set_collective_timeout, setup, teardown)
@@ -97,6 +98,17 @@ class Config:
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
 
+# The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
+RANGES = {
+    "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
+    "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
+    "mtbf_h": POSITIVE, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE, "eval_every": NON_NEGATIVE,
+    "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
+    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_snapshot": POSITIVE,
+    "nan_at_step": POSITIVE,
+}
+
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
 SHARDED = False  # every rank holds the whole state: the memory tier keeps one copy of it per node
@@ -104,7 +116,7 @@ SHARDED = False  # every rank holds the whole state: the memory tier keeps one c
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
-    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1))) + device_problems(cfg.device)
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES) + device_problems(cfg.device)
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data") if cfg.val_data else []))

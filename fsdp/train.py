@@ -46,7 +46,8 @@ from common.checkpoint import (FIRST_AUTO_SAVE, atomic_save, atomic_write_json, 
                                fsync_dir, lock_run_dir, move_aside, newest_resume_problem, ownership_problems,
                                param_digest, prune, remove, resume_problem, rng_state, run_dir_problems, seed_rng,
                                set_rng_state, step_name)
-from common.config import fail, flag_problems, parse_config
+from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SEED, fail, flag_problems,
+                           parse_config)
 from common.data import StepData, data_problems
 from common.dist import (PREEMPTED, StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line,
                          print0, restarts, set_collective_timeout, setup, teardown)
@@ -111,6 +112,17 @@ class Config:
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
 
 
+# The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
+RANGES = {
+    "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
+    "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
+    "mtbf_h": POSITIVE, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE, "eval_every": NON_NEGATIVE,
+    "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
+    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "crash_in_snapshot": POSITIVE,
+    "nan_at_step": POSITIVE, "crash_in_staging": POSITIVE, "save_threads": POSITIVE,
+}
+
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
 SHARDED = True  # each rank holds 1/world of the state: so does its memory tier
@@ -118,7 +130,7 @@ SHARDED = True  # each rank holds 1/world of the state: so does its memory tier
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
-    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1))) + device_problems(cfg.device)
+    problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES) + device_problems(cfg.device)
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])

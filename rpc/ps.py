@@ -56,7 +56,8 @@ from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
                                newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
                                rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
-from common.config import end_if_stopped, fail, flag_problems, leave_stop_code, parse_config
+from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SEED, end_if_stopped, fail,
+                           flag_problems, leave_stop_code, parse_config)
 from common.data import StepData, data_problems
 from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts,
                          still_running)
@@ -107,6 +108,17 @@ class Config:
     slow_factor: float = 1.0  # the straggler sleeps (F - 1) x its compute time after each step: a slower machine
 
 
+# The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
+RANGES = {
+    "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
+    "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
+    "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE,
+    "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE,
+    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "drop_trainer_at_step": POSITIVE,
+    "nan_at_step": POSITIVE,
+}
+
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
@@ -115,7 +127,7 @@ def check(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
-    problems = (model_problems(cfg) + flag_problems(cfg, world - 1) + device_problems(cfg.device)  # trainers split the batch
+    problems = (model_problems(cfg) + flag_problems(cfg, world - 1, RANGES) + device_problems(cfg.device)  # trainers split the batch
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:

@@ -14,7 +14,7 @@ import torch
 from common.checkpoint import (atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest, prune,
                                resume_problem, rng_state, run_dir_in_use, set_rng_state, step_name)
 from common import model, monitor
-from common.config import RANGES, parse_config
+from common.config import parse_config
 from common.data import StepData
 from common.model import ModelConfig, Transformer
 from conftest import REPO
@@ -158,12 +158,8 @@ def test_resume_problem_names_what_changed_and_refuses_what_breaks_the_resume():
 SCRIPTS = ["ddp/train.py", "fsdp/train.py", "rpc/ps.py"]
 
 
-ALL_RANGES = {**RANGES, **model.RANGES}  # the training flags' and the model's
-
-
-def bad_values(field, kind):
+def bad_values(rule, kind):
     """Values outside a flag's declared range."""
-    rule = ALL_RANGES[field.name]
     values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": [],
               "must be >= 1": [0.5, -1], "must be in [0, 2^32)": [-1, 2**32],
               "must be in (0, 604800] (a week)": [0, 10**14]}
@@ -176,10 +172,11 @@ def test_every_numeric_flag_has_a_range_and_a_value_outside_it_is_one_line(scrip
     # Generated from each script's Config: a new numeric flag without a declared range fails here.
     monkeypatch.setenv("WORLD_SIZE", "3")
     module = load_script(REPO / script)
+    ranges = {**module.RANGES, **model.RANGES}  # the script's training flags' and the model's
     fields = [f for f in dataclasses.fields(module.Config) if _numeric(module.Config, f)]
-    assert fields and not [f.name for f in fields if f.name not in ALL_RANGES]
+    assert fields and not [f.name for f in fields if f.name not in ranges]
     for f in fields:
-        for value in bad_values(f, _numeric(module.Config, f)):
+        for value in bad_values(ranges[f.name], _numeric(module.Config, f)):
             flag = "--" + f.name.replace("_", "-")
             with pytest.raises(SystemExit) as exit_:
                 parse_config(module.Config, module.check, ["--run-dir", str(tmp_path), flag, str(value)])
