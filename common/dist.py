@@ -94,28 +94,6 @@ def refuse_unsafe_restarts():
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
 
-def still_running(ranks, wait_s):
-    """{rank: pid} of the workers `ranks` of this node's torchrun agent (this process's siblings, found
-    in Linux's /proc) still running after up to `wait_s` seconds."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = {}
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-                if int(parent) != os.getppid() or state == "Z":  # not a sibling, or exited (not reaped yet)
-                    continue
-                env = dict(v.split("=", 1) for v in (proc / "environ").read_text(errors="replace").split("\0")
-                           if "=" in v)
-                if int(env.get("RANK", -1)) in ranks:
-                    found[int(env["RANK"])] = int(proc.name)
-            except (OSError, ValueError):  # gone meanwhile, or not ours to read
-                continue
-        if not found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.1)  # polling for their exit
-
-
 def agree(ok, device):
     """True only if `ok` holds on every rank, so that all ranks take the same branch after a local failure."""
     flag = torch.tensor(int(ok), device=device)

@@ -59,8 +59,7 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load
 from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SEED, end_if_stopped, fail,
                            flag_problems, leave_stop_code, parse_config)
 from common.data import StepData, data_problems
-from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts,
-                         still_running)
+from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -346,6 +345,28 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
 
 
 # ----------------------------------------------------------------------------- main
+def still_running(ranks, wait_s):
+    """{rank: pid} of the workers `ranks` of this node's torchrun agent (this process's siblings, found
+    in Linux's /proc) still running after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if int(parent) != os.getppid() or state == "Z":  # not a sibling, or exited (not reaped yet)
+                    continue
+                env = dict(v.split("=", 1) for v in (proc / "environ").read_text(errors="replace").split("\0")
+                           if "=" in v)
+                if int(env.get("RANK", -1)) in ranks:
+                    found[int(env["RANK"])] = int(proc.name)
+            except (OSError, ValueError):  # gone meanwhile, or not ours to read
+                continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)  # polling for their exit
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
