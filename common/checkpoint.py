@@ -26,10 +26,16 @@ import stat
 import statistics
 import tempfile
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from common.config import fail
+from common.dist import PREEMPTED, print0, set_collective_timeout
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
@@ -96,6 +102,22 @@ def atomic_write(path, write, before_commit=None):
 def atomic_save(obj, path, before_commit=None):
     """torch.save, committed atomically (see atomic_write)."""
     return atomic_write(path, lambda f: torch.save(obj, f), before_commit)
+
+
+def cpu_copy(obj, pin, memo=None):
+    """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
+    pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
+    tensor met twice (tied weights) is copied once, as torch.save would store it once."""
+    memo = {} if memo is None else memo
+    if torch.is_tensor(obj):
+        if id(obj) not in memo:
+            memo[id(obj)] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v, pin, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v, pin, memo) for v in obj)
+    return obj
 
 
 def atomic_write_json(obj, path):
@@ -165,6 +187,20 @@ def move_aside(path, why):
     fsync_dir(path.parent)
     print(f"moved {path.name} aside to {aside.name} ({why}); it is kept for inspection, never loaded", flush=True)
     return aside
+
+
+HELD_LOCKS = []  # the run folder's lock, open for the life of the process (hold_run_dir)
+
+
+def hold_run_dir(run_dir, rank):
+    """Make the run folder and its ckpt/; rank 0 then holds the folder's lock until it exits (a second job
+    would prune this one's checkpoints), and a folder in use stops the job in one line."""
+    (Path(run_dir) / "ckpt").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        lock = lock_run_dir(run_dir)
+        if lock is None:
+            fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
+        HELD_LOCKS.append(lock)
 
 
 def lock_run_dir(run_dir):
@@ -291,6 +327,27 @@ def _private_group(gid):
     return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
+def refuse_unfit(saved, cfg, path, fmt, shape_fields, sample_fields):
+    """resume_problem of the checkpoint `path` (its record `saved`): a problem stops the job in one line
+    (exit 2); the settings that changed, where --allow-changes lets them, are printed."""
+    problem, changes = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)
+    if problem:
+        fail(f"{path}: {problem}")
+    if changes:
+        print0(f"resuming with changed settings: {', '.join(changes)}")
+
+
+def restore_rng(rngs, saved_world, seed, step, rank, world):
+    """This rank's RNG as saved (`rngs`: every rank's, of a job of `saved_world` ranks), or, at another
+    world size, where each rank's stream cannot carry over, derived anew from the seed and the step.
+    Returns whether the world size changed."""
+    if saved_world == world:
+        set_rng_state(rngs[rank])
+        return False
+    seed_rng(seed + step, rank)
+    return True
+
+
 def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):
     """Check a checkpoint's saved record (its `format` and `config`) against this run's config and
     the format `fmt` that this script writes and reads.
@@ -393,6 +450,94 @@ def load_newest(ckpt_dir, load):
     return None, None, None
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint being saved (ddp and rpc: one file, written by rank 0). blocking_s is what the training
+    loop waited for it: all of a synchronous save; for an async one the CPU copy (staging_s), then the
+    wait for its write before the next save (not the wait at the end of the job: no step is left to
+    stall). `future` is the write in its thread (its result: the bytes written)."""
+    step: int
+    t0: float
+    blocking_s: float = 0.0
+    staging_s: Optional[float] = None
+    done_at: Optional[float] = None
+    future: Optional[Future] = None
+
+
+class BaseCheckpointer:
+    """When a script saves, and the rungs of its resume that every script shares: a script's
+    Checkpointer subclasses it with what its checkpoint holds, write(step, asynchronous) -> the save
+    still in flight or None, commit(pending, in_loop) and resume().
+
+    The loop calls save(step, stop) after each step: it starts the memory tier's snapshot when one is
+    due, and writes a disk checkpoint every --save-every steps (--save-every 0: an interval by Young
+    and Daly's rule), at the last step, and when the job is stopped (a preemption: then it exits 143
+    for a restart), one save in flight at a time. finish() at the end commits the last save.
+    `snapshots` is the memory tier (common/snapshot.py) or None, `faults` the tests' faults
+    (common/faults.py) or None, `guard` the StepGuard (common/dist.py), `step_times` the loop's list."""
+
+    def __init__(self, cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots, faults):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.model, self.optimizer, self.monitor, self.guard = model, optimizer, monitor, guard
+        self.step_times, self.snapshots, self.faults = step_times, snapshots, faults
+        self.ckpt_dir = Path(cfg.run_dir) / "ckpt"
+        self.save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
+        self.pending = None  # the save in flight (--async-save), if any
+
+    def save(self, step, stop=False):
+        """After step `step`: a memory snapshot (copied in a thread while the next step computes) and a
+        disk checkpoint, each when due; then, if the job was stopped before its last step, exit 143."""
+        if self.snapshots:
+            self.snapshots.start(step, rng_state(), self.faults.in_snapshot(step) if self.faults else None)
+        if step % self.save_every == 0 or step == self.cfg.steps or stop:
+            t0 = time.perf_counter()
+            with self.guard.patient():  # the other ranks may wait while rank 0 writes or prunes
+                if self.pending:  # one save in flight at a time: the previous one commits first
+                    self.commit(self.pending)
+                self.pending = self.write(step, asynchronous=self.cfg.async_save and not stop)
+            if not self.cfg.save_every:  # the interval from what this save cost the loop
+                self.save_every = auto_save_every(time.perf_counter() - t0, self.step_times, self.cfg.mtbf_h,
+                                                  self.device)
+        if stop and step < self.cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
+            self.monitor.event("preempted", step=step, signalled_at=self.guard.signalled_at)
+            print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
+            raise SystemExit(PREEMPTED)
+
+    def report(self, step, nbytes, blocking_s, staging_s, total_s, **more):
+        """The save of `step` has committed: its event in the metrics, its line on the console."""
+        self.monitor.event("save", step=step, blocking_s=blocking_s, staging_s=staging_s, total_s=total_s,
+                           bytes=nbytes, **more)
+        print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, blocking {blocking_s * 1000:.0f} ms,"
+               + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
+               + f" total {total_s * 1000:.0f} ms)")
+        self.pending = None
+
+    def in_flight(self, t0):
+        """What the step that started at `t0` overlapped, for its metrics: an async save's write, the
+        memory tier's wait."""
+        saving = self.pending is not None and (self.pending.done_at or math.inf) > t0
+        return {"saving": saving, **({"snapshot_s": self.snapshots.blocked_s} if self.snapshots else {})}
+
+    def finish(self):
+        """The end of the job, or a diverged loss: the save in flight, of an earlier step, commits."""
+        set_collective_timeout(self.cfg.timeout_s)  # the long timeout, as in a save
+        if self.pending:
+            self.commit(self.pending, in_loop=False)
+
+    def resume_from_memory(self):
+        """The first rung of a resume: the memory tier's newest snapshot, if every rank can restore it and
+        it is newer than the disk's newest checkpoint. Returns the step restored, or None."""
+        if not self.snapshots:
+            return None
+        t0, committed = time.perf_counter(), checkpoints(self.ckpt_dir) if self.rank == 0 else None
+        step = self.snapshots.resume(committed[0][0] if committed else None, self.device)
+        if step is not None:
+            self.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(self.snapshots.folder),
+                               source="memory")
+            print0(f"resuming from step {step} (memory snapshot)")
+        return step
+
+
 def young_daly_steps(save_s, step_s, mtbf_h, device):
     """(steps, save_s, step_s, seconds): the disk interval that loses the least expected time to saving
     and to replaying after a failure, sqrt(2 x a save's cost x the mean time between failures) (Young
@@ -408,12 +553,11 @@ def young_daly_steps(save_s, step_s, mtbf_h, device):
 FIRST_AUTO_SAVE = 10  # --save-every 0: the step of the first save, whose cost sets the interval
 
 
-def auto_save_every(save_s, step_times, cfg, device):
+def auto_save_every(save_s, step_times, mtbf_h, device):
     """--save-every 0: the disk interval (young_daly_steps) after a save that blocked the loop `save_s`,
     with this attempt's median step time and --mtbf-h; printed after each save, with its numbers."""
-    steps, save_s, step_s, seconds = young_daly_steps(save_s, statistics.median(step_times[-50:]), cfg.mtbf_h,
-                                                      device)
+    steps, save_s, step_s, seconds = young_daly_steps(save_s, statistics.median(step_times[-50:]), mtbf_h, device)
     if dist.get_rank() == 0:
-        print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {cfg.mtbf_h} h between "
+        print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {mtbf_h} h between "
               f"failures) = {seconds:.3f} s, at {step_s * 1000:.3f} ms a step (Young and Daly)", flush=True)
     return steps

@@ -74,6 +74,12 @@ ANY_INT = ("any integer", lambda v: True)
 AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
 SEED = ("must be in [0, 2^32)", lambda v: 0 <= v < 2**32)  # the data's seeds are seed * 1_000_003 + step
 SECONDS = ("must be in (0, 604800] (a week)", lambda v: 0 < v <= 604800)  # a timedelta, a socket timeout
+# The fields every script's Config has (its RANGES adds its own).
+SHARED_RANGES = {
+    "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
+    "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
+    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "nan_at_step": POSITIVE}
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 
 

@@ -65,6 +65,12 @@ def setup(device_choice="auto", timeout_s=300):
     return rank, world_size, device
 
 
+def node_ranks():
+    """The ranks of this node's processes: torchrun numbers a node's ranks in a row."""
+    first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
+    return range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 def loopback_store(rank, world_size, timeout):
     """The process group's store at 127.0.0.1:MASTER_PORT, served by rank 0 from a socket bound there."""
     port, fd = int(os.environ["MASTER_PORT"]), None
@@ -94,10 +100,11 @@ def refuse_unsafe_restarts():
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
 
-def agree(ok, device):
-    """True only if `ok` holds on every rank, so that all ranks take the same branch after a local failure."""
+def agree(ok, device, group=None):
+    """True only if `ok` holds on every rank of `group` (default: the world), so that all of them take
+    the same branch after a local failure."""
     flag = torch.tensor(int(ok), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 

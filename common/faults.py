@@ -1,9 +1,8 @@
-"""Fault injection for the tests and the chaos soak, in one place: each script calls these hooks in
-one line at the point where a fault fires, and nowhere else.
-
-Every hook does nothing unless its flag is set. To copy a script without them, delete the Config
-fields marked "fault injection" (the hooks read a missing field as unset) and rpc's check of them; a
-line that is only a hook (`faults.after_step(step)`, `loss = faults.poison_loss(loss, step)`) can go.
+"""Fault injection for the tests and the chaos soak, in one place: a tier of its own. ddp and fsdp make
+a Faults only when a fault flag is set (their `faults` block in main), and call its hooks where
+`faults` is not None; the checkpointer and the memory tier are handed the hooks that fire inside
+them. To copy a script without faults, delete this module, that block, the `if faults:` lines and
+the Config fields marked "fault injection" (rpc/ps.py uses its hooks unconditionally).
 
 Every fault is tied to a step, never to a time, so it lands in training however fast the machine
 is. Crashes fire only in torchrun's first attempt, so the restarted job runs clean; a NaN loss fires
@@ -44,7 +43,8 @@ class Faults:
         return at is not None and previous < at <= step and self.rank == self.crash_rank and first_attempt()
 
     def poison_loss(self, loss, step):
-        """--nan-at-step: the loss of step N (the step after `step` completed steps) is NaN."""
+        """--nan-at-step: the loss of step N (the step after `step` completed steps) is NaN, a tensor's
+        or a number's."""
         return loss * float("nan") if self._flag("nan_at_step") == step + 1 else loss
 
     def after_step(self, step, previous=None):

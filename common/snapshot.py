@@ -18,12 +18,14 @@ checkpoint's would be.
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
 
-On several nodes (open_tier's `replicate`) the thread also sends each record to the same local rank
-of the next node, which keeps it as <run>-rank<R>-slot<S>.replica.json, so that a node replaced with
-an empty memory still resumes from memory (resume_from_memory). DDP ("records"): every node holds the
-same model and optimizer, so a new rank takes them from a peer and its RNG from its replica. FSDP
-("shards"): the record's shards go with it, into <run>-rank<R>-slot<S>-<size>.replica.bin, and a new
-rank receives them from the rank that keeps them.
+On several nodes (open_tier's `replicate`) each record also goes to the same local rank of the next
+node (common/replica.py, imported only then), so that a node replaced with an empty memory still
+resumes from memory.
+
+Its face: open_tier() once, with the model and the optimizer (the tier waits for its copy before each
+optimizer step, as a hook of the optimizer's); start(step) after a step; held(), what this rank can
+restore, answered locally; restore(step, everyone, group), over whatever group the caller gives it;
+remove() at the end. resume() settles which step over the world group, and restores it.
 """
 import dataclasses
 import datetime
@@ -35,6 +37,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,8 +45,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from common.checkpoint import atomic_write, set_rng_state
+from common.checkpoint import atomic_write, resume_problem, set_rng_state
 from common.dist import agree, print0
+from common.model import SHAPE_FIELDS
 
 FORMAT = 1  # the layout of a record (written below, read in `load`)
 ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its typed view is aligned
@@ -67,7 +71,7 @@ def tier_problems(cfg, params, sharded):
     """[a line] if the node's snapshot folder cannot take the run's slots (see room_problem), for a model
     of `params` parameters; sharded: each rank holds 1/world of the state (FSDP)."""
     folder = folder_of(cfg)
-    if not cfg.snapshot_every or folder is None:
+    if folder is None:
         return []
     world = int(os.environ.get("WORLD_SIZE", 1))
     problem = room_problem(folder, needed_bytes(params, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
@@ -75,14 +79,14 @@ def tier_problems(cfg, params, sharded):
     return [problem] if problem else []
 
 
-def open_tier(cfg, ckpt_dir, group, replicate=None):
-    """This rank's Snapshots for the run, sharing one copy of the state with the ranks `group`; None,
-    said in one line, on every rank if one has no /dev/shm (the tier's collectives need all of them).
-    Every rank calls it: rank 0 reads or creates the run's id and sends it to the others. `replicate`
-    sends each record ("records": DDP, whose nodes hold the same state) or each record and its shards
-    ("shards": FSDP) to the same local rank of the next node (see the module's docstring)."""
-    if not cfg.snapshot_every:
-        return None
+def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=None):
+    """This rank's Snapshots of `model` and `optimizer`, sharing one copy of the state with the ranks
+    `group`; None, said in one line, on every rank if one has no /dev/shm (the tier's collectives need
+    all of them). Every rank calls it: rank 0 reads or creates the run's id and sends it to the others.
+    A snapshot's config is checked as a disk checkpoint's would be (its model's shape, and
+    `sample_fields` unless they may change). `replicate` keeps each record ("records": DDP, whose nodes
+    hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
+    next node (common/replica.py), when there is one."""
     have = [None] * dist.get_world_size()
     dist.all_gather_object(have, folder_of(cfg) is not None)
     if not all(have):
@@ -91,15 +95,17 @@ def open_tier(cfg, ckpt_dir, group, replicate=None):
     ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    peers = None
+    folder, replica = folder_of(cfg), None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
+        from common.replica import Replica
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
-        peers = ((rank + local) % world, (rank - local) % world, side, replicate)
-    snapshots = Snapshots(folder_of(cfg), ids[0], rank, group, cfg.snapshot_every,
-                          {"world_size": world, "config": dataclasses.asdict(cfg)}, peers)
+        replica = Replica(folder, ids[0], rank, (rank + local) % world, (rank - local) % world, side, replicate, FORMAT)
+    snapshots = Snapshots(folder, ids[0], rank, group, cfg.snapshot_every, {"world_size": world,
+                          "config": dataclasses.asdict(cfg)}, model, optimizer,
+                          lambda record: resume_problem(record, cfg, FORMAT, SHAPE_FIELDS, sample_fields)[0], replica)
     print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}"
            + (f", each {'record' if replicate == 'records' else 'record and its shards'} also kept by rank "
-              f"+ {local} (the next node)" if peers else ""))
+              f"+ {local} (the next node)" if replica else ""))
     return snapshots
 
 
@@ -197,20 +203,31 @@ def room_problem(folder, need):
     return None
 
 
+@dataclass
+class Held:
+    """What one rank can restore, as it answers alone (Snapshots.held): each step of its own slots with
+    the reason it cannot be used (None: it can), and the steps of each peer whose replica it keeps."""
+    own: dict = field(default_factory=dict)  # {step: problem or None}
+    kept: dict = field(default_factory=dict)  # {source rank: [steps]}
+
+    def usable(self):
+        return {step for step, problem in self.own.items() if problem is None}
+
+
 class Snapshots:
     """This rank's two slots in `folder`, and the copy into them in a thread of its own.
 
     The ranks `group` (a range) share one copy of the state, in the .bin named after its first rank,
     each copying and checksumming its part: an FSDP rank is a group of its own (its shards); DDP's
-    ranks on a node form one group, their states being the same. `record` is what every record says of
-    the run (its id, world size, config). `peers` (partner, source, side group, "records" or "shards"):
-    each record (and its shards) is sent to the partner, which keeps it as a replica, and the source's
-    is received and kept."""
+    ranks on a node form one group, their states being the same. `header` is what every record says of
+    the run (its id, world size, config); `check(record)` is a record's config problem, or None.
+    `replica` (common/replica.py), on several nodes: each record (and its shards) is also kept by a
+    rank of the next node, and this rank keeps those of the node before."""
 
-    def __init__(self, folder, run, rank, group, every, record, peers=None):
+    def __init__(self, folder, run, rank, group, every, header, model, optimizer, check, replica=None):
         self.folder, self.run, self.rank, self.group, self.every = Path(folder), run, rank, group, every
-        self.peers = peers
-        self.record = {"format": FORMAT, "run": run, **record}
+        self.model, self.optimizer, self.check, self.replica = model, optimizer, check, replica
+        self.header = {"format": FORMAT, "run": run, **header}
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone: see room_problem
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self.copying = None  # the copy in flight
@@ -218,7 +235,9 @@ class Snapshots:
         self.tensors = None  # the live tensors copied at each snapshot, found at the first
         self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
-        self.replica_maps = {}  # (slot, size) -> the source's shards kept here (replicate "shards")
+        self.blocked_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
+        # The optimizer must not change tensors a snapshot is still copying: it waits for the copy first.
+        optimizer.register_step_pre_hook(lambda *_: self.wait())
 
     def path(self, rank, slot, suffix):
         return self.folder / f"{self.run}-rank{rank}-slot{slot}{suffix}"
@@ -227,28 +246,29 @@ class Snapshots:
         return step // self.every % 2
 
     def due(self, step):
-        """A snapshot at `step`; with peers, even on a rank whose copies failed: its partner and source
-        still exchange records with it (an empty one from it), as they cannot know."""
-        return self.every > 0 and step % self.every == 0 and (not self.failed or self.peers is not None)
+        """A snapshot at `step`; with a replica, even on a rank whose copies failed: its partner and
+        source still exchange records with it (an empty one from it), as they cannot know."""
+        return step % self.every == 0 and (not self.failed or self.replica is not None)
 
     # ------------------------------------------------------------------------- write
-    def start(self, step, state, rng, crash_midway=None):
-        """Snapshot `step` in the thread: `state()` gives the state dicts whose tensors are copied, the
-        model's and the optimizer's, as get_state_dict does (called once: its tensors are updated in
-        place from then on, as AdamW's and FSDP's are); `rng` is this rank's RNG state now.
-        `crash_midway` is fault injection, called halfway through the copy. Returns the seconds this
-        call blocked the loop."""
+    def start(self, step, rng, crash_midway=None):
+        """Snapshot `step` in the thread, if it is due: the model's and the optimizer's tensors, as
+        get_state_dict gives them (found once: they are updated in place from then on, as AdamW's and
+        FSDP's are), and `rng`, this rank's RNG state now. `crash_midway` is fault injection, called
+        halfway through the copy."""
+        if not self.due(step):
+            return
         t0 = time.perf_counter()
         self.wait()
         if self.tensors is None:
-            self.tensors = local_tensors(state())
+            self.tensors = local_tensors(get_state_dict(self.model, self.optimizer))
             self.entries, self.nbytes = layout(self.tensors)
             self.part = part(self.entries, self.nbytes, self.rank - self.group.start, len(self.group))
         self.copying = self.pool.submit(self._write, step, rng, crash_midway)
-        return time.perf_counter() - t0
+        self.blocked_s = time.perf_counter() - t0
 
     def wait(self):
-        """Until the copy in flight is done; returns the seconds waited. A copy that failed (a full
+        """Until the copy in flight is done (its time counts in blocked_s). A copy that failed (a full
         tmpfs) turns the tier off on this rank, in one line: the disk tier is still there, and a
         restart finds no newer snapshot of this rank, so it loads from disk."""
         t0 = time.perf_counter()
@@ -261,7 +281,7 @@ class Snapshots:
                           "off on this rank, the disk checkpoints go on", flush=True)
                 self.failed = True
             self.copying = None
-        return time.perf_counter() - t0
+        self.blocked_s += time.perf_counter() - t0
 
     def _write(self, step, rng, crash_midway):
         """The copy and its record (not after a failed one), then the exchange of records with the peers."""
@@ -271,8 +291,8 @@ class Snapshots:
                 payload = self._copy(step, rng, crash_midway)
             except Exception as e:  # still exchange (an empty record), then report it
                 error = e
-        if self.peers:
-            self._exchange(payload, self.slot(step))
+        if self.replica:
+            self.replica.exchange(payload, self.maps[self.slot(step)][0] if payload else None)
         if error is not None:
             raise error
 
@@ -290,52 +310,17 @@ class Snapshots:
             targets[i].copy_(self.tensors[i][1])
             if crash_midway and n == len(mine) // 2:
                 crash_midway()
-        record = {**self.record, "step": step, "slot": slot, "rank": self.rank, "rng": rng_to_json(rng),
+        record = {**self.header, "step": step, "slot": slot, "rank": self.rank, "rng": rng_to_json(rng),
                   "layout": self.entries, "nbytes": self.nbytes, "part": [lo, hi],
                   "crc32": zlib.crc32(buf[lo:hi].numpy())}
         payload = json.dumps(record).encode()
         atomic_write(record_path, lambda f: f.write(payload))  # JSON: nothing in it runs
         return payload
 
-    def replica_path(self, rank, slot):
-        return self.folder / f"{self.run}-rank{rank}-slot{slot}.replica.json"
-
-    def replica_bin(self, rank, slot, nbytes):
-        return self.folder / f"{self.run}-rank{rank}-slot{slot}-{nbytes}.replica.bin"
-
-    def _exchange(self, payload, slot):
-        """Send this rank's record of `slot` (and its shards) to the partner and keep the source's, over
-        the side group: the sizes, then the bytes (none for an empty record). The replica's record is
-        deleted before its shards arrive and written after them, as a slot's own."""
-        partner, source, side, mode = self.peers
-        size = torch.zeros(1, dtype=torch.int64)
-        for request in (dist.isend(torch.tensor([len(payload)]), partner, group=side), dist.irecv(size, source, group=side)):
-            request.wait()
-        out, incoming = torch.frombuffer(bytearray(payload + b"\0"), dtype=torch.uint8)[:len(payload)], torch.empty(int(size), dtype=torch.uint8)
-        requests = [dist.isend(out, partner, group=side)] if len(payload) else []
-        requests += [dist.irecv(incoming, source, group=side)] if len(incoming) else []
-        for request in requests:
-            request.wait()
-        record = json.loads(incoming.numpy().tobytes()) if len(incoming) else None
-        if mode == "shards":
-            requests = [dist.isend(self.maps[slot][0], partner, group=side)] if len(payload) else []
-            if record is not None:
-                self.replica_path(source, record["slot"]).unlink(missing_ok=True)
-                key = (record["slot"], record["nbytes"])
-                if key not in self.replica_maps:
-                    self.replica_maps[key] = torch.from_file(str(self.replica_bin(source, *key)), shared=True,
-                                                             size=record["nbytes"], dtype=torch.uint8)
-                requests.append(dist.irecv(self.replica_maps[key], source, group=side))
-            for request in requests:
-                request.wait()
-        if record is not None:
-            data = incoming.numpy().tobytes()
-            atomic_write(self.replica_path(source, record["slot"]), lambda f: f.write(data))
-
     # ------------------------------------------------------------------------- read
     def records(self):
         """{step: record} of this rank's committed slots of this run (their world size and config are
-        checked by the caller)."""
+        checked by held())."""
         found = {}
         for slot in (0, 1):
             try:
@@ -346,33 +331,18 @@ class Snapshots:
                 found[record["step"]] = record
         return found
 
-    def replica_records(self):
-        """{source rank: {step: record}} of the replicas this rank keeps, of this run ({}: none); with
-        shards, only those whose shards match the record's checksum."""
-        if not self.peers:
-            return {}
-        source, found = self.peers[1], {}
-        for slot in (0, 1):
-            try:
-                record = json.loads(self.replica_path(source, slot).read_text())
-            except (OSError, ValueError):  # absent, or not a record
-                continue
-            if (record.get("format"), record.get("run"), record.get("rank")) != (FORMAT, self.run, source):
-                continue
-            if self.peers[3] == "shards" and self.replica_shards(record) is None:
-                print(f"rank {self.rank}: the replica of rank {source}'s step {record['step']} is damaged: not used",
-                      flush=True)
-                continue
-            found[record["step"]] = record
-        return {source: found} if found else {}
+    def problem(self, record):
+        """Why `record` cannot be restored in this job, or None."""
+        if record["world_size"] != self.header["world_size"]:
+            return (f"written at world size {record['world_size']}, this job has {self.header['world_size']} "
+                    "(the memory tier does not reshard)")
+        return self.check(record)
 
-    def replica_shards(self, record):
-        """The source's shards of `record`, kept here (uint8), if they match its checksum; else None."""
-        path = self.replica_bin(record["rank"], record["slot"], record["nbytes"])
-        if record["part"] != [0, record["nbytes"]] or not path.is_file() or path.stat().st_size != record["nbytes"]:
-            return None
-        buf = torch.from_file(str(path), shared=False, size=record["nbytes"], dtype=torch.uint8)
-        return buf if zlib.crc32(buf.numpy()) == record["crc32"] else None
+    def held(self):
+        """What this rank can restore (Held), from its own files alone: no collective."""
+        kept = {source: [step for step, record in found.items() if self.problem(record) is None]
+                for source, found in (self.replica.records() if self.replica else {}).items()}
+        return Held({step: self.problem(record) for step, record in self.records().items()}, kept)
 
     def load(self, record):
         """The tensors and RNG of `record` (this rank's): the group's .bin, each part checked against
@@ -393,10 +363,80 @@ class Snapshots:
                 raise ValueError(f"bytes {lo}-{hi} of {path.name} do not match their checksum (damaged)")
         return views(buf, record["layout"]), record["layout"], rng_from_json(record["rng"])
 
+    def restore(self, step, everyone, device, group=None):
+        """Restore `step` into the model, the optimizer and this rank's RNG, over `group` (default: the
+        world), whose ranks' Held are `everyone`, in the group's order; every member calls it. Returns
+        whether every member restored it (if not, none did: the caller falls back together).
+
+        Each rank checks the data it reads against its checksum, and the ranks agree on the outcome. A
+        rank with no snapshot of the step (its node replaced, its memory empty) restores it from its
+        replica on a peer: its RNG from the replica, and the model and optimizer from a rank that has
+        the step (replicated "records": the same on every rank) or its shards from the rank that keeps
+        them ("shards")."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        error, rng, record = None, None, None
+        try:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            if step in everyone[rank].usable():
+                tensors, entries, rng = self.load(self.records()[step])
+                restore(tensors, entries, model_state, optim_state)
+        except Exception as e:  # whatever is wrong with files in a folder of tmpfs, the disk is still there
+            error = e
+            print(f"rank {self.rank}: memory snapshot of step {step} not loaded ({e})", flush=True)
+        if not agree(error is None, device, group):
+            return False
+        needy = [r for r in range(world) if step not in everyone[r].usable()]
+        if needy:  # a replaced node's ranks: their records from the replicas, their state from peers
+            replicas = self.replica.records() if self.replica else {}
+            offers = [None] * world
+            dist.all_gather_object(offers, {r: replicas[r][step] for r in needy if step in replicas.get(r, {})},
+                                   group=group)
+            holder = {r: h for h, offer in enumerate(offers) for r in offer}
+            if rank in needy:
+                record = offers[holder[rank]][rank]
+                rng = rng_from_json(record["rng"])
+            if self.replica.mode == "shards":  # each needy rank's shards from the rank that keeps them, in turn
+                for r in needy:
+                    if rank == holder[r]:
+                        self.replica.send_shards(replicas[r][step], r)
+                    elif rank == r:
+                        buf = self.replica.receive_shards(record, holder[r])
+                        restore(views(buf, record["layout"]), record["layout"], model_state, optim_state)
+                how = "their shards from the ranks that kept them"
+            else:
+                source = min(r for r in range(world) if step in everyone[r].usable())
+                for _, t in local_tensors((model_state, optim_state)):
+                    dist.broadcast(t, source, group=group)
+                how = f"the model and optimizer from rank {source}"
+            print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
+                   f"the replicas, {how}")
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        set_rng_state(rng)
+        return True
+
+    def resume(self, disk_step, device):
+        """Restore the newest snapshot that every rank can restore whole, if it is newer than the newest
+        disk checkpoint (`disk_step`, as rank 0 sees it; None if there is none). Returns the step
+        restored, or None (with a line saying why, if there was a snapshot) for the caller to load from
+        disk. One collective over the world group gathers what each rank holds; the ranks then try each
+        step that all of them can restore, newest first, and load the same step or all fall back."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.held(), disk_step))
+        held = [h for h, _ in everyone]
+        steps, why = candidates(held, everyone[0][1], self.replica.mode if self.replica else None)
+        if why:
+            print0(why)
+        for step in steps:
+            if self.restore(step, held, device):
+                return step
+            print0(f"memory snapshot of step {step} did not load on every rank: "
+                   + ("trying the older one" if step != steps[-1] else "loading from disk"))
+        return None
+
     def remove(self):
         """Delete the run's snapshots in this folder (a finished job): each rank its own slots, then, once
         every rank has (a barrier), what is left of the run's (the ranks of an earlier, larger world size,
-        a record's temp file), and the folder once it is empty."""
+        a record's temp file, the replicas), and the folder once it is empty."""
         self.wait()
         for path in self.folder.glob(f"{self.run}-rank{self.rank}-slot*"):
             path.unlink(missing_ok=True)
@@ -436,88 +476,27 @@ def restore(tensors, entries, model_state, optim_state):
             t.copy_(saved)
 
 
-def resume_from_memory(snapshots, disk_step, model, optimizer, device, config_problem):
-    """Restore the newest snapshot that every rank can restore whole, if it is newer than the newest
-    disk checkpoint (`disk_step`, as rank 0 sees it; None if there is none): its tensors into `model` and
-    `optimizer`, its RNG into this rank. `config_problem(record)` is the resume check a disk checkpoint's
-    config gets (a line, or None). Returns the step restored, or None (with a line saying why, if there
-    was a snapshot) for the caller to load from disk.
-
-    One collective settles which steps every rank can restore; each rank then checks the data it reads
-    against its checksum, and the ranks agree on the outcome: they load the same step, or all fall back.
-    A rank with no snapshot of a step (its node replaced, its memory empty) can still restore it where
-    its record has a replica on a peer (open_tier's `replicate`): its RNG from the replica, and the model
-    and optimizer from a rank that has the step (DDP, "records": the same on every rank) or its shards
-    from the rank that keeps them (FSDP, "shards")."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    records, replicas = snapshots.records(), snapshots.replica_records()
-
-    def problem(record):
-        return (f"written at world size {record['world_size']}, this job has {world} (the memory tier does not "
-                "reshard)" if record["world_size"] != world else config_problem(record))
-
-    problems = {step: problem(record) for step, record in records.items()}
-    kept = {owner: [s for s, record in found.items() if problem(record) is None] for owner, found in replicas.items()}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (problems, disk_step, kept))
-    disk_step = everyone[0][1]
-    newest = max((s for found, _, _ in everyone for s in found), default=None)
+def candidates(everyone, disk_step, mode):
+    """(the steps to try, newest first, and a line saying why the newest snapshot is not among them, or
+    None): the steps that every rank of `everyone` (their Held, in rank order) can restore, itself or
+    from a replica, and that are newer than the disk's newest checkpoint `disk_step` (None: none).
+    `mode` is the replica's ("records": a peer has the model and optimizer; "shards"), or None."""
+    world = len(everyone)
+    newest = max((s for held in everyone for s in held.own), default=None)
     if newest is None:
-        return None
-    own = [{s for s, problem in found.items() if problem is None} for found, _, _ in everyone]
+        return [], None
     from_peers = [set() for _ in range(world)]
-    for _, _, held in everyone:
-        for owner, steps in held.items():
+    for held in everyone:
+        for owner, steps in held.kept.items():
             from_peers[owner].update(steps)
-    mode = snapshots.peers[3] if snapshots.peers else None
-    pool = set.union(*own) | (set.union(*from_peers) if mode == "shards" else set())  # "records": a peer has it
+    own = [held.usable() for held in everyone]
+    pool = set.union(*own) | (set.union(*from_peers) if mode == "shards" else set())
     usable = {s for s in pool if all(s in own[r] or s in from_peers[r] for r in range(world))}
-    candidates = sorted((s for s in usable if disk_step is None or s > disk_step), reverse=True)
-    if not candidates or candidates[0] != newest:
-        missing = next((f"rank {r}: {found[newest]}" if newest in found else f"rank {r} has none"
-                        for r, (found, _, _) in enumerate(everyone) if found.get(newest, "") is not None), None)
-        why = missing or f"the disk checkpoint of step {disk_step} is not older"
-        print0(f"memory snapshot of step {newest} not used: {why}"
-               + (f"; trying step {candidates[0]}" if candidates else "; loading from disk"))
-    for step in candidates:
-        error, rng = None, None
-        try:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            if step in own[rank]:
-                tensors, entries, rng = snapshots.load(records[step])
-                restore(tensors, entries, model_state, optim_state)
-        except Exception as e:  # whatever is wrong with files in a folder of tmpfs, the disk is still there
-            error = e
-            print(f"rank {rank}: memory snapshot of step {step} not loaded ({e})", flush=True)
-        if not agree(error is None, device):
-            print0(f"memory snapshot of step {step} did not load on every rank: "
-                   + ("trying the older one" if step != candidates[-1] else "loading from disk"))
-            continue
-        needy = [r for r in range(world) if step not in own[r]]
-        if needy:  # a replaced node's ranks: their records from the replicas, their state from peers
-            offers = [None] * world
-            dist.all_gather_object(offers, {r: replicas[r][step] for r in needy if step in replicas.get(r, {})})
-            holder = {r: h for h, offer in enumerate(offers) for r in offer}
-            if rank in needy:
-                record = offers[holder[rank]][rank]
-                rng = rng_from_json(record["rng"])
-            if mode == "shards":  # each needy rank's shards from the rank that keeps them, in turn
-                for r in needy:
-                    if rank == holder[r]:
-                        dist.send(snapshots.replica_shards(replicas[r][step]), r, group=snapshots.peers[2])
-                    elif rank == r:
-                        buf = torch.empty(record["nbytes"], dtype=torch.uint8)
-                        dist.recv(buf, holder[r], group=snapshots.peers[2])
-                        restore(views(buf, record["layout"]), record["layout"], model_state, optim_state)
-                how = "their shards from the ranks that kept them"
-            else:
-                source = min(r for r in range(world) if step in own[r])
-                for _, t in local_tensors((model_state, optim_state)):
-                    dist.broadcast(t, source)
-                how = f"the model and optimizer from rank {source}"
-            print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
-                   f"the replicas, {how}")
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-        set_rng_state(rng)
-        return step
-    return None
+    steps = sorted((s for s in usable if disk_step is None or s > disk_step), reverse=True)
+    if steps and steps[0] == newest:
+        return steps, None
+    missing = next((f"rank {r}: {held.own[newest]}" if newest in held.own else f"rank {r} has none"
+                    for r, held in enumerate(everyone) if held.own.get(newest, "") is not None), None)
+    why = missing or f"the disk checkpoint of step {disk_step} is not older"
+    return steps, (f"memory snapshot of step {newest} not used: {why}"
+                   + (f"; trying step {steps[0]}" if steps else "; loading from disk"))

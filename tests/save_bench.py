@@ -10,8 +10,8 @@ before the next (the disk must hold one copy of the state, not one per row):
                    (the ratios' reference, as `dd` was in issue 11's table), then split over as many
                    files and threads as DCP's most: what it gives to parallel writers
   torch.save       ddp/train.py's synchronous save: rank 0's atomic_save of the state (GPU -> CPU inside)
-  dcp, N threads   fsdp/train.py's synchronous save: dcp.save through fsdp.saving.Writer(thread_count=N)
-  dcp async        fsdp/train.py's --async-save (fsdp.saving's staging options: pinned buffers and
+  dcp, N threads   fsdp/train.py's synchronous save: dcp.save through fsdp.checkpoint.Writer(thread_count=N)
+  dcp async        fsdp/train.py's --async-save (fsdp.checkpoint's staging options: pinned buffers and
                    non-blocking copies on CUDA): what the call blocked, then until staged and committed
 Every row is the median of --repeats writes, and its throughput is divided by the disk row's. World
 size 1, unsharded tensors: one rank's share of a sharded save at the same bytes. Exit 1 if a write fails.
@@ -41,7 +41,7 @@ from common.config import parse_config
 from common.dist import setup, teardown
 from common.model import PRESETS, ModelConfig, Transformer
 from common.monitor import state_bytes
-from fsdp.saving import Writer, staging_options
+from fsdp.checkpoint import Writer, staging_options
 
 
 @dataclass

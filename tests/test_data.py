@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.data import GPT2_MAGIC, LLAMA3_MAGIC, SAMPLE_WINDOW_BYTES, StepData, data_problems, write_tokens
+from common.data import StepData, data_problems
+from common.tokens import GPT2_MAGIC, LLAMA3_MAGIC, SAMPLE_WINDOW_BYTES, write_tokens
 
 FOX = "the quick brown fox jumps over the lazy dog. " * 40
 

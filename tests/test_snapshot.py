@@ -1,7 +1,6 @@
 """The memory tier's files, in one process (a gloo group of one): a snapshot restores exactly, and one
 that is torn, damaged, another run's, another configuration's or another world size's is never loaded.
 The end-to-end crashes are in test_ddp.py and test_fsdp.py."""
-import functools
 import json
 import types
 
@@ -42,51 +41,64 @@ def state_digest(model, optimizer):
     return param_digest(tensors)
 
 
-def snapshots(folder, run="run-a", config=CONFIG, world=1):
-    return snapshot.Snapshots(folder, run, 0, range(0, 1), 1, {"world_size": world, "config": config})
+def snapshots(folder, model, optimizer, run="run-a", world=1, check=lambda record: None):
+    """A rank's tier of `model` and `optimizer`, as open_tier makes it: one process that writes, or one
+    that restarted and reads."""
+    return snapshot.Snapshots(folder, run, 0, range(0, 1), 1, {"world_size": world, "config": CONFIG}, model,
+                              optimizer, check)
 
 
-def take(snaps, model, optimizer, step, crash_midway=None):
-    snaps.start(step, functools.partial(get_state_dict, model, optimizer), rng_state(), crash_midway)
+def take(snaps, step, crash_midway=None):
+    snaps.start(step, rng_state(), crash_midway)
     snaps.wait()
 
 
-def restored(snaps, disk_step=None, config_problem=lambda record: None):
-    """(step restored or None, the fresh model and optimizer it was restored into)."""
+def restored(folder, run="run-a", disk_step=None, check=lambda record: None):
+    """(step restored or None, the fresh model and optimizer it was restored into), as a restarted
+    process restores them."""
     model, optimizer = trained(seed=1, steps=0)
-    step = snapshot.resume_from_memory(snaps, disk_step, model, optimizer, torch.device("cpu"), config_problem)
+    step = snapshots(folder, model, optimizer, run, check=check).resume(disk_step, torch.device("cpu"))
     return step, model, optimizer
 
 
 def test_the_newest_snapshot_restores_the_model_optimizer_and_rng_exactly(tmp_path):
     model, optimizer = trained(seed=0, steps=3)
-    snaps = snapshots(tmp_path)
-    take(snaps, model, optimizer, 2)  # slot 0
+    snaps = snapshots(tmp_path, model, optimizer)
+    take(snaps, 2)  # slot 0
     expected_rng = torch.get_rng_state()
-    take(snaps, model, optimizer, 3)  # slot 1: the newest
+    take(snaps, 3)  # slot 1: the newest
     want = state_digest(model, optimizer)
     torch.manual_seed(123)  # the restore must set it back
-    step, model2, optimizer2 = restored(snaps)
+    step, model2, optimizer2 = restored(tmp_path)
     assert step == 3 and state_digest(model2, optimizer2) == want
     assert torch.equal(torch.get_rng_state(), expected_rng)
     # Only what is not newer than the disk's newest checkpoint: the disk is loaded instead.
-    assert restored(snaps, disk_step=3)[0] is None
+    assert restored(tmp_path, disk_step=3)[0] is None
+
+
+def test_the_optimizer_waits_for_the_copy_in_flight_before_it_changes_the_weights(tmp_path):
+    model, optimizer = trained(seed=0, steps=1)
+    snaps = snapshots(tmp_path, model, optimizer)
+    snaps.start(1, rng_state())
+    assert snaps.copying is not None  # in its thread
+    model(torch.randn(5, 8)).square().mean().backward()
+    optimizer.step()  # its pre-hook waited for the copy
+    assert snaps.copying is None
 
 
 def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_its_checksum(tmp_path, capsys):
     model, optimizer = trained(seed=0, steps=2)
-    snaps = snapshots(tmp_path)
-    take(snaps, model, optimizer, 4)
+    take(snapshots(tmp_path, model, optimizer), 4)
     at_four = state_digest(model, optimizer)
-    trained_more = trained(seed=0, steps=3)
+    snaps = snapshots(tmp_path, *trained(seed=0, steps=3))
 
     def die():
         raise OSError("No space left on device")  # halfway through the copy: no record written
 
-    take(snaps, *trained_more, 5, crash_midway=die)
+    take(snaps, 5, crash_midway=die)
     assert "memory snapshot failed (No space left on device): the memory tier is off" in capsys.readouterr().out
     assert not snaps.due(6) and sorted(snaps.records()) == [4]
-    step, model2, optimizer2 = restored(snaps)
+    step, model2, optimizer2 = restored(tmp_path)
     assert step == 4 and state_digest(model2, optimizer2) == at_four
 
     record = snaps.records()[4]
@@ -94,7 +106,7 @@ def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_i
     data = bytearray(path.read_bytes())
     data[record["part"][1] // 2] ^= 0xFF  # one byte changed after its record was written
     path.write_bytes(data)
-    assert restored(snaps)[0] is None
+    assert restored(tmp_path)[0] is None
     out = capsys.readouterr().out
     assert "do not match their checksum (damaged)" in out and "loading from disk" in out
     assert path.exists()  # refused, never deleted
@@ -102,24 +114,24 @@ def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_i
 
 def test_another_runs_configs_or_world_sizes_snapshots_are_never_loaded(tmp_path, capsys):
     model, optimizer = trained(seed=0, steps=1)
-    take(snapshots(tmp_path, run="run-a"), model, optimizer, 1)
-    assert snapshots(tmp_path, run="run-b").records() == {}  # another run's files: not even read
-    assert restored(snapshots(tmp_path, run="run-b"))[0] is None
+    take(snapshots(tmp_path, model, optimizer, run="run-a"), 1)
+    assert snapshots(tmp_path, model, optimizer, run="run-b").records() == {}  # another run's files: not even read
+    assert restored(tmp_path, run="run-b")[0] is None
 
-    refused = restored(snapshots(tmp_path), config_problem=lambda record: f"made with seed={record['config']['seed']}")
+    refused = restored(tmp_path, check=lambda record: f"made with seed={record['config']['seed']}")
     assert refused[0] is None and "memory snapshot of step 1 not used: rank 0: made with seed=0" in \
         capsys.readouterr().out
 
-    take(snapshots(tmp_path, world=2), model, optimizer, 2)  # as if written by a job of 2 ranks
-    assert restored(snapshots(tmp_path))[0] == 1  # step 2's is another world size's: the older slot
+    take(snapshots(tmp_path, model, optimizer, world=2), 2)  # as if written by a job of 2 ranks
+    assert restored(tmp_path)[0] == 1  # step 2's is another world size's: the older slot
     assert "written at world size 2, this job has 1" in capsys.readouterr().out
 
 
 def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp_path):
     model, optimizer = trained(seed=0, steps=1)
-    snaps = snapshots(tmp_path / "node")
-    take(snaps, model, optimizer, 1)
-    take(snaps, model, optimizer, 2)
+    snaps = snapshots(tmp_path / "node", model, optimizer)
+    take(snaps, 1)
+    take(snaps, 2)
     record = json.loads(snaps.path(0, 0, ".json").read_text())  # JSON: read without unpickling anything
     assert record["step"] == 2 and record["run"] == "run-a" and record["crc32"]
     # A rank of a larger world size before an elastic shrink left its slot: the run's files all go.
@@ -132,7 +144,7 @@ def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp
 def test_the_tier_is_off_on_every_rank_when_one_has_no_dev_shm(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(snapshot, "default_dir", lambda run_dir: None)
     cfg = types.SimpleNamespace(snapshot_every=1, snapshot_dir="", run_dir=str(tmp_path))
-    assert snapshot.open_tier(cfg, tmp_path, range(0, 1)) is None
+    assert snapshot.open_tier(cfg, tmp_path, None, None, range(0, 1), ()) is None
     assert "memory tier off: no /dev/shm on rank 0" in capsys.readouterr().out
 
 

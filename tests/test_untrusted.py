@@ -1,4 +1,4 @@
-"""What someone else puts in a run folder never runs: fsdp/saving.py reads a checkpoint's `.metadata`
+"""What someone else puts in a run folder never runs: fsdp/checkpoint.py reads a checkpoint's `.metadata`
 through an unpickler that admits only DCP's classes and its non-tensor items with torch's weights-only
 unpickler, and common.checkpoint.ownership_problems finds a run folder that others could have written."""
 import dataclasses
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.checkpoint import ownership_problems
-from fsdp.saving import MetadataUnpickler, Planner, Reader
+from fsdp.checkpoint import MetadataUnpickler, Planner, Reader
 from conftest import REPO, summary, torchrun
 
 SCRIPT = "fsdp/train.py"

@@ -1,11 +1,15 @@
-"""How fsdp/train.py writes and reads a DCP checkpoint: the writer that commits a folder (train.pt,
-then DCP's `.metadata`), the record of a save in flight (synchronous or while training goes on) and
-its waits, the staging options, the reader that unpickles only what DCP writes, and the load that
-every rank agrees on, with its fallback.
+"""fsdp/train.py's checkpoint, built and read here: a folder ckpt/step-NNNNNNNN/ holding every rank's
+shards of "model" and "optimizer" (DCP, by name, as get_state_dict gives them), and train.pt (format,
+step, world_size, config, every rank's RNG), then DCP's `.metadata`, the commit.
 
-What a checkpoint holds, how a save is made durable and pruned, and what a resume restores, is in
-fsdp/train.py's checkpoint section (`save`, `finish_save`, `resume`).
+Checkpointer says what a checkpoint holds (write), waits for its commit (commit) and resumes from one
+(resume); when to save is common.checkpoint.BaseCheckpointer's. Below it: the writer that commits a
+folder, the record of a save in flight (synchronous or while training goes on) and its waits, the
+staging options, the reader that unpickles only what DCP writes, and the load that every rank agrees
+on, with its fallback.
 """
+import dataclasses
+import datetime
 import pickle
 import threading
 import time
@@ -28,14 +32,18 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.torch_version import TorchVersion
 
-from common.checkpoint import COMMIT_MARKER, atomic_save
+from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, move_aside, prune,
+                               refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
 from common.config import fail
 from common.dist import agree, print0
+from common.model import SHAPE_FIELDS
 
-# The layout of a ckpt/step-NNNNNNNN/ folder (Writer writes it): DCP's shards of "model" and
+# The layout of a ckpt/step-NNNNNNNN/ folder (Checkpointer.write): DCP's shards of "model" and
 # "optimizer", train.pt (format, step, world size, config, every rank's RNG), `.metadata` last. A load
 # refuses any other format.
 FORMAT = 2
+# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
+SAMPLE_FIELDS = ("seed", "batch_size", "data")
 
 # torch 2.11 fails the second async save through one DefaultStager (KeyError in its state-dict
 # copy); 2.13 and later reuse one, and its buffers, for the whole run.
@@ -57,6 +65,126 @@ def describe_staging(cuda):
                f"a stager per save (torch {torch.__version__} cannot reuse one)"))
 
 
+
+class Checkpointer(BaseCheckpointer):
+    """What a checkpoint of fsdp/train.py holds (write), its commit, and the resume; when to save is
+    BaseCheckpointer's (common/checkpoint.py).
+
+    An async save copies this rank's shards into CPU buffers (staging), then writes them, both in
+    threads: the optimizer waits for the copy only before its next step (a hook of the optimizer's),
+    which would change the weights being copied. Where the torch version allows, one stager keeps its
+    buffers for the run and copies into them again at each save; else each save gets a fresh one. Its
+    collectives run in a thread, over a group of their own (gloo, as DCP needs a CPU backend for it),
+    so that they never interleave with the training collectives."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        threading.excepthook = keep_writer_errors  # DCP's writer threads' errors, for save_failed's one line
+        cuda, self.save_group, self.stager = self.device.type == "cuda", None, None
+        self.staging = staging_options(cuda)
+        if self.cfg.async_save:
+            self.save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+            self.stager = DefaultStager(self.staging) if REUSE_STAGER else None
+            print0(describe_staging(cuda))
+        self.optimizer.register_step_pre_hook(lambda *_: self.pending and self.pending.wait_staged())
+
+    def write(self, step, asynchronous):
+        """Start the checkpoint of `step`: every rank's shards through DCP, then rank 0's train.pt and DCP's
+        `.metadata`, which commits it. Returns the ShardedSave still in flight if asynchronous, else None:
+        a synchronous save is committed before it returns."""
+        t0 = time.perf_counter()
+        path = self.ckpt_dir / step_name(step)
+        # The Writer adds "rng", every rank's RNG state, gathered in the thread that saves.
+        train_pt = {"format": FORMAT, "step": step, "world_size": self.world, "config": dataclasses.asdict(self.cfg)}
+        state = dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer)))  # this rank's shards
+        before_commit = self.faults.in_save(step, f" into {path}: shards written, not committed") if self.faults \
+            else None
+        writer = Writer(path, train_pt, rng_state(), self.save_group if asynchronous else None, self.cfg.save_threads,
+                        before_commit=before_commit)
+        record = ShardedSave(step, path, t0)
+        if asynchronous:  # returns at once: the copy and the write go on in threads
+            # The side stream does not wait for the training stream: this step's weights must be final.
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            record.stager = ((self.faults.stager(self.staging, step) if self.faults else None) or self.stager
+                             or DefaultStager(self.staging))
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.save_group,
+                                      async_stager=record.stager)  # an AsyncSaveResponse: staging is async
+            record.staging, record.future = response.staging_completion, response.upload_completion
+            record.staging.add_done_callback(lambda _: setattr(record, "staged_at", time.perf_counter()))
+            record.future.add_done_callback(lambda _: setattr(record, "done_at", time.perf_counter()))
+            record.blocking_s = time.perf_counter() - t0
+            return record
+        try:  # returns once every rank's shards and the commit are on disk
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as e:  # a full disk: the folder stays uncommitted, never loaded
+            save_failed(step, e)
+        record.done_at = time.perf_counter()
+        record.blocking_s = record.done_at - t0
+        self.commit(record)
+        return None
+
+    def commit(self, record, in_loop=True):
+        """Wait for the save `record` to commit (in the loop, the wait blocks training), then make it
+        durable, prune and report it."""
+        record.wait_committed(in_loop, self.stager)
+        nbytes = 0
+        if self.rank == 0:  # the commit reaches the disk before older checkpoints are deleted
+            fsync_dir(record.path)
+            fsync_dir(self.ckpt_dir)
+            nbytes = sum(f.stat().st_size for f in record.path.iterdir())
+            prune(self.ckpt_dir, self.cfg.keep, record.step)
+        total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
+        self.report(record.step, nbytes, record.blocking_s, record.staging_s(), total_s,
+                    staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)
+
+    def finish(self):
+        super().finish()
+        if self.stager:
+            self.stager.close()
+
+    def resume(self):
+        """Restore the newest memory snapshot that every rank holds, if it is newer than the disk's newest
+        checkpoint; else load the newest checkpoint folder that loads on every rank and fits the config,
+        and restore train.pt's step and RNG states; else start fresh. Returns the step resumed from, or
+        None."""
+        cfg, rank, world = self.cfg, self.rank, self.world
+        step = self.resume_from_memory()  # a snapshot newer than the newest disk checkpoint loses less
+        if step is not None:
+            return step
+        # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
+        # turn and move on together, so they never load different steps.
+        candidates = [[path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None]
+        dist.broadcast_object_list(candidates, src=0)
+        path, train_pt, load_s, unreadable = load_newest_everywhere(candidates[0], self.model, self.optimizer,
+                                                                    self.device, self.monitor)
+        if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load
+            fail(f"no checkpoint in {self.ckpt_dir} loads (see above); move the damaged ones away or use another "
+                 "--run-dir")
+        if train_pt is not None:
+            refuse_unfit(train_pt, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
+            step = train_pt["step"]
+            if restore_rng(train_pt["rng"], train_pt["world_size"], cfg.seed, step, rank, world):
+                print0(f"resharded from {train_pt['world_size']} to {world} ranks")
+                self.monitor.event("reshard", step=step, from_world_size=train_pt["world_size"], world_size=world)
+            fused = self.optimizer.defaults["fused"]
+            for group in self.optimizer.param_groups:  # the loaded groups carry the saving run's choice
+                group["fused"] = fused
+            self.monitor.event("load", step=step, load_s=load_s, path=str(path), source="disk")
+            print0(f"resuming from step {step}")
+        else:
+            seed_rng(cfg.seed, rank)
+            print0("no checkpoint, starting fresh")
+        # The steps of newer folders will be trained and saved again, into fresh folders (a committed
+        # one is never overwritten in place): move the unreadable ones aside, and remove torn saves.
+        if rank == 0:
+            for p in unreadable:
+                move_aside(p, "did not load on every rank")
+            for _, p in checkpoints(self.ckpt_dir, committed=False):
+                if remove(p):
+                    print(f"removed {p.name} (never committed)", flush=True)
+        return step
+
 class Writer(dcp.FileSystemWriter):
     """DCP's file writer (`thread_count` threads a rank) that also writes train.pt. DCP calls
     prepare_local_plan on every rank, in the thread that saves, before it gathers their plans: each
@@ -68,8 +196,6 @@ class Writer(dcp.FileSystemWriter):
     def __init__(self, path, train_pt, rng, group, thread_count, before_commit=None):
         super().__init__(path, thread_count=thread_count)
         self.train_pt, self.rng, self.group, self.before_commit = train_pt, rng, group, before_commit
-        if threading.excepthook is not keep_writer_errors:
-            threading.excepthook = keep_writer_errors
 
     def prepare_local_plan(self, plan):
         rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
