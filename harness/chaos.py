@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 from common.checkpoint import checkpoints, step_name  # noqa: E402
 from common.config import Parser  # noqa: E402
 from harness.launch import STRATEGIES, finish, free_port, kill_node, problems, start, torchrun, workers  # noqa: E402
-from harness.metrics import events, final_history, phases  # noqa: E402
+from harness.metrics import Watch, events, final_history, phases  # noqa: E402
 
 STEPS, SAVE_EVERY, BATCH = 48, 8, 12
 # A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
@@ -86,7 +86,7 @@ DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc"))
 # most one step. The parameter server has no memory tier.
 NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL}
 MARK = ".chaos-out"  # in --out: the folder is this runner's to empty, not the user's
-POLL_S = 0.005  # how often the metrics files are read while waiting for a step
+POLL_S = 0.005  # how often a save's folder is looked at while waiting for its shards
 
 
 @dataclass
@@ -130,46 +130,6 @@ class Trial:
     problems: list = field(default_factory=list)
     output_tail: str = ""
     passed: bool = False
-
-
-# ----------------------------------------------------------------------------- watching a job
-class Watch:
-    """Follows a job's metrics-rank<r>.jsonl files as they grow (an earlier launch's lines are skipped).
-    Each event gets `attempt`: the torchrun restart count of its rank's last start event. Step, save
-    and start events are labelled right; a load or fallback, written before its start event, is not."""
-
-    def __init__(self, run_dir):
-        self.run_dir, self.events, self.attempt = Path(run_dir), [], {}
-        self.offset = {p: p.stat().st_size for p in self.run_dir.glob("metrics-rank*.jsonl")}
-
-    def poll(self):
-        for path in sorted(self.run_dir.glob("metrics-rank*.jsonl")):
-            with open(path, "rb") as f:
-                f.seek(self.offset.get(path, 0))
-                data = f.read()
-            data = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-            self.offset[path] = self.offset.get(path, 0) + len(data)
-            for line in data.splitlines():
-                e = json.loads(line)
-                if e["event"] == "start":
-                    self.attempt[e["rank"]] = e["restarts"]
-                self.events.append({**e, "attempt": self.attempt.get(e["rank"], -1)})
-        return self.events
-
-    def first(self, proc, deadline, event, attempt, min_step=None):
-        """Rank 0's first `event` of torchrun attempt `attempt` (a step event: at `min_step` or later),
-        waiting for it while the job runs; None if the job ends or the deadline passes first."""
-        while proc.poll() is None and time.time() < deadline:
-            for e in self.poll():
-                if (e["rank"] == 0 and e["event"] == event and e["attempt"] == attempt
-                        and (min_step is None or e["step"] >= min_step)):
-                    return e
-            time.sleep(POLL_S)  # watching for an event, not waiting for a guessed moment
-        return None
-
-    def latest_step(self, attempt):
-        return max((e["step"] for e in self.poll() if e["rank"] == 0 and e["event"] == "step"
-                    and e["attempt"] == attempt), default=0)
 
 
 # ----------------------------------------------------------------------------- a trial's job
@@ -222,7 +182,7 @@ def at_step(job, step, attempt, fault):
     """Once rank 0 has completed `step` in torchrun attempt `attempt`, wait a random fraction of a
     step, then call `fault()` (True if it fired). Returns its Hit, or None if the job was no longer
     training."""
-    if job.watch.first(job.proc, job.deadline, "step", attempt, min_step=step) is None:
+    if job.watch.first("step", job.proc, job.deadline, attempt=attempt, min_step=step) is None:
         return None
     try:
         job.proc.wait(timeout=job.rng.uniform(0, job.ref.step_s))  # the fault's random moment within the next step
@@ -239,7 +199,7 @@ def signal_at_step(job, sig, ranks, step, attempt):
     """at_step: send `sig` to the worker of a random rank from `ranks`. The worker is looked up once its
     attempt has started, before the step: reading /proc takes longer than a step of a small job."""
     rank = job.rng.choice(ranks)
-    if job.watch.first(job.proc, job.deadline, "start", attempt) is None:
+    if job.watch.first("start", job.proc, job.deadline, attempt=attempt) is None:
         return None
     pid = workers(job.proc.pid, attempt).get(rank)
 
@@ -264,7 +224,7 @@ def kill_in_flight(job, saving):
                 except (KeyError, ProcessLookupError):
                     return None
                 return Hit(time.time(), step)
-            time.sleep(POLL_S)
+            time.sleep(POLL_S)  # polling the folder the save writes, not waiting for a moment
     return None
 
 
@@ -398,7 +358,7 @@ def stop_worker(job):
 
 def kill_after_resume(job):
     """two-faults, the second: a SIGKILL at a step drawn from those the restart has left."""
-    restart = job.watch.first(job.proc, job.deadline, "start", 1)
+    restart = job.watch.first("start", job.proc, job.deadline, attempt=1)
     if restart is not None:
         resumed = restart["resumed_from_step"] or 0
         job.hit = signal_at_step(job, signal.SIGKILL, range(job.trial.processes),
@@ -407,7 +367,7 @@ def kill_after_resume(job):
 
 def put_back_once_started(job):
     """transient-read: readable again once the relaunch has chosen where to resume."""
-    if job.watch.first(job.proc, job.deadline, "start", 0) is not None:
+    if job.watch.first("start", job.proc, job.deadline, attempt=0) is not None:
         job.place = put_back(job.hidden, job.original)
 
 
@@ -415,7 +375,7 @@ def kill_a_save(job):
     """async-in-flight: kill_in_flight from a random save step on; then, once the restart has looked for
     a checkpoint, whether the save it hit had committed by then."""
     job.hit = kill_in_flight(job, job.rng.randrange(SAVE_EVERY, STEPS, SAVE_EVERY))
-    if job.hit and job.watch.first(job.proc, job.deadline, "start", 1) is not None:
+    if job.hit and job.watch.first("start", job.proc, job.deadline, attempt=1) is not None:
         marker = job.run_dir / "ckpt" / step_name(job.hit.step) / ".metadata"
         job.committed_at = marker.stat().st_mtime if marker.exists() else None
 
@@ -562,7 +522,7 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         kind.prepare(job)
         job.cmd, job.env = kind.launch(job)
         trial.command = " ".join(job.cmd)
-        job.watch = Watch(job.run_dir)
+        job.watch = Watch(job.run_dir, new_lines_only=True)  # not a first launch's (first_launch_crashes)
         job.proc = start(job.cmd, job.env, log=f"{job.run_dir}.log")
         kind.fire(job)
     except FaultMissed as missed:

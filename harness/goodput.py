@@ -26,11 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from common.config import Parser  # noqa: E402
 from harness.launch import finish, problems, start, torchrun, workers  # noqa: E402
-from harness.metrics import events, phases  # noqa: E402
+from harness.metrics import Watch, events, phases  # noqa: E402
 
 MODES = {"disk alone": ["--snapshot-every", 0, "--save-every", 10],
          "memory tier": ["--snapshot-every", 1, "--save-every", 50]}
-POLL_S = 0.005  # how often rank 0's metrics are read while waiting for a kill's step
 
 
 def step_times(run_dir):
@@ -42,20 +41,14 @@ def faulted(script, nproc, run_dir, flags, kills, rng):
     attempt that follows the previous kill). Returns (wall seconds, [epoch time of each kill])."""
     t0 = time.time()
     proc = start(*torchrun(script, nproc, run_dir, flags, max_restarts=len(kills) + 1), log=f"{run_dir}.log")
-    path, killed_at = Path(run_dir) / "metrics-rank0.jsonl", []
-    for attempt, step in enumerate(kills):
-        since = killed_at[-1] if killed_at else 0.0
-        while proc.poll() is None:
-            lines = path.read_text().splitlines() if path.exists() else []
-            if any(e["event"] == "step" and e["step"] >= step and e["time"] > since
-                   for e in map(json.loads, (line for line in lines if line.endswith("}")))):
-                break
-            time.sleep(POLL_S)  # polling the file the job writes
+    watch, killed_at = Watch(run_dir), []
+    for attempt, step in enumerate(kills):  # each kill makes one torchrun restart: kill n lands in attempt n
+        watch.first("step", proc, attempt=attempt, min_step=step)
         pids = workers(proc.pid, attempt)
         if not pids:
             raise SystemExit(f"goodput: {run_dir.name} ended before its kill at step {step}")
         rank = rng.choice(sorted(pids))
-        signal_worker(pids[rank])
+        kill_worker(pids[rank])
         killed_at.append(time.time())
     code, output, hung = finish(proc, t0 + 1800)
     wrong = ["hung"] if hung else problems(run_dir, code, output, restarts=len(kills))
@@ -64,7 +57,7 @@ def faulted(script, nproc, run_dir, flags, kills, rng):
     return time.time() - t0, killed_at
 
 
-def signal_worker(pid):
+def kill_worker(pid):
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:  # it ended meanwhile: the job's problems() will say how

@@ -35,6 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.config import STOP_FILE  # noqa: E402  (common.config imports no torch)
+
 # The jobs that the chaos soak faults and the comparison measures, by name: (script, extra flags).
 # The comparison names its columns by the command instead (column()): "ddp --async-save".
 STRATEGIES = {
@@ -69,8 +71,7 @@ ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_ti
 # The signals torchrun's agent passes on to the workers, which save the step in progress and exit
 # (common.dist.StepGuard): its defaults, and SIGUSR1, which Slurm's --signal=USR1@SECONDS sends.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-STOP_FILE = "FT_STOP_FILE"  # common.config.STOP_FILE (not imported: nothing here imports torch)
-PREEMPTED = 143  # common.dist.PREEMPTED: saved, expects a relaunch
+PREEMPTED = 143  # common.dist.PREEMPTED, copied: common.dist imports torch, which only --preflight loads here
 
 
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,

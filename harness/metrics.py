@@ -1,9 +1,13 @@
-"""Reading what common/monitor.py writes: every rank's metrics-rank<r>.jsonl, and the figures the
-runners, the chaos soak and the tests take from it (recovery phases, a parameter server's history,
-step times while a save is in flight, memory at start-up and in training)."""
+"""Reading what common/monitor.py writes: every rank's metrics-rank<r>.jsonl, as a job writes them (Watch)
+or once it ended, and the figures the runners, the chaos soak and the tests take from it (recovery
+phases, a parameter server's history, step times while a save is in flight, memory at start-up and in
+training)."""
 import json
 import statistics
+import time
 from pathlib import Path
+
+POLL_S = 0.005  # how often a Watch reads the files while it waits for an event
 
 
 def events(run_dir):
@@ -11,6 +15,57 @@ def events(run_dir):
     for path in sorted(Path(run_dir).glob("metrics-rank*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines()]
     return rows
+
+
+class Watch:
+    """Follows a job's metrics-rank<r>.jsonl files as they grow, for a runner or a test that must act at
+    a step of training (a step, not a moment: it lands however fast the machine is). Each event gets
+    `attempt`: the torchrun restart count of its rank's last start event (-1 before any). Step, save and
+    start events are labelled right; a load or fallback, written before its start event, is not.
+    new_lines_only: the lines already in the files (an earlier launch's) are skipped."""
+
+    def __init__(self, run_dir, new_lines_only=False):
+        self.run_dir, self.events, self.attempt = Path(run_dir), [], {}
+        self.offset = {p: p.stat().st_size for p in self.run_dir.glob("metrics-rank*.jsonl")} if new_lines_only else {}
+
+    def poll(self):
+        """Every event read so far, those written since the last poll read now."""
+        for path in sorted(self.run_dir.glob("metrics-rank*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.offset.get(path, 0))
+                data = f.read()
+            data = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self.offset[path] = self.offset.get(path, 0) + len(data)
+            for line in data.splitlines():
+                e = json.loads(line)
+                if e["event"] == "start":
+                    self.attempt[e["rank"]] = e["restarts"]
+                self.events.append({**e, "attempt": self.attempt.get(e["rank"], -1)})
+        return self.events
+
+    def until(self, match, proc, deadline=None):
+        """The first event for which match(event) holds, waiting for it while the job `proc` runs; None if
+        the job ends or the deadline (epoch seconds) passes first."""
+        seen = 0
+        while proc.poll() is None and (deadline is None or time.time() < deadline):
+            new = self.poll()[seen:]
+            seen += len(new)
+            found = next((e for e in new if match(e)), None)
+            if found is not None:
+                return found
+            time.sleep(POLL_S)  # polling the files the job writes, not waiting for a guessed moment
+        return None
+
+    def first(self, event, proc, deadline=None, rank=0, attempt=None, min_step=None):
+        """Rank `rank`'s first `event` (of torchrun attempt `attempt`; at step `min_step` or later), as until()."""
+        return self.until(lambda e: e["rank"] == rank and e["event"] == event
+                          and (attempt is None or e["attempt"] == attempt)
+                          and (min_step is None or e["step"] >= min_step), proc, deadline)
+
+    def latest_step(self, attempt=None, rank=0):
+        """The last step rank `rank` completed so far (in torchrun attempt `attempt`); 0 if none."""
+        return max((e["step"] for e in self.poll() if e["rank"] == rank and e["event"] == "step"
+                    and (attempt is None or e["attempt"] == attempt)), default=0)
 
 
 def median_or_none(values):

@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -53,17 +52,17 @@ LAUNCHED_AT = time.time()  # this process's start, before torch is imported: whe
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, load_newest, lock_run_dir,
-                               newest_resume_problem, ownership_problems, param_digest, prune, resume_problem,
-                               rng_state, run_dir_problems, seed_rng, set_rng_state, step_name)
-from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SEED, end_if_stopped, fail,
-                           flag_problems, leave_stop_code, parse_config)
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, hold_run_dir, load_newest,
+                               newest_resume_problem, ownership_problems, param_digest, prune, refuse_unfit, rng_state,
+                               run_dir_problems, seed_rng, set_rng_state, step_name)
+from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, end_if_stopped, fail,
+                           flag_problems, parse_config)
 from common.data import StepData, data_problems
 from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
-from rpc.server import ParameterServer, Reply, set_server
+from rpc.server import ParameterServer, Reply, kill_stuck_trainers, set_server
 
 
 # ----------------------------------------------------------------------------- config
@@ -108,15 +107,9 @@ class Config:
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
-RANGES = {
-    "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
-    "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
-    "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
-    "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE, "max_staleness": NON_NEGATIVE,
-    "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE,
-    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "drop_trainer_at_step": POSITIVE,
-    "nan_at_step": POSITIVE,
-}
+RANGES = {**SHARED_RANGES, "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE,
+          "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE,
+          "drop_trainer_at_step": POSITIVE}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -182,9 +175,10 @@ def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
     print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
 
-def after_update(server, ckpt_dir, world, faults, step):
-    """The ParameterServer's after_update(step) (serve() binds the rest with functools.partial). It runs
-    under the server's lock, between the optimizer step and the replies: no update is half-done."""
+def after_update(ckpt_dir, world, faults, server, step):
+    """The ParameterServer's after_update(server, step) (serve() binds the first three with
+    functools.partial). It runs under the server's lock, between the optimizer step and the replies: no
+    update is half-done."""
     faults.after_step(step)
     if step % server.cfg.save_every == 0 or step == server.cfg.steps:
         save_checkpoint(server, ckpt_dir, world, step, before_commit=faults.in_save(step))
@@ -211,11 +205,7 @@ def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
         print0("no checkpoint, starting fresh")
         return Resumed()
     t0 = time.perf_counter()
-    problem, changes = resume_problem(state, cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS, cfg.allow_changes)
-    if problem:
-        fail(f"{path}: {problem}")
-    if changes:
-        print0(f"resuming with changed settings: {', '.join(changes)}")
+    refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     # format and config: checked above; digest: reported below, beside the digest of what loaded.
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -243,9 +233,8 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed.resumed_from, restarts=restarts(),
                   world_size=world)
     server = ParameterServer(model, optimizer, cfg, monitor, world - 1, resumed.step, resumed.lost,
-                             after_update=None, trainer_steps=resumed.trainer_steps)
-    # Bound once the server exists: each checkpoint saves its lost trainers and trainer steps.
-    server.after_update = functools.partial(after_update, server, ckpt_dir, world, faults)
+                             functools.partial(after_update, ckpt_dir, world, faults),
+                             trainer_steps=resumed.trainer_steps)
     set_server(server)  # the object the trainers' RPCs reach: set before init_rpc lets any arrive
     torch_rpc.init_rpc("server", rank=0, world_size=world, rpc_backend_options=options)
     try:
@@ -345,28 +334,6 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
 
 
 # ----------------------------------------------------------------------------- main
-def still_running(ranks, wait_s):
-    """{rank: pid} of the workers `ranks` of this node's torchrun agent (this process's siblings, found
-    in Linux's /proc) still running after up to `wait_s` seconds."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = {}
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-                if int(parent) != os.getppid() or state == "Z":  # not a sibling, or exited (not reaped yet)
-                    continue
-                env = dict(v.split("=", 1) for v in (proc / "environ").read_text(errors="replace").split("\0")
-                           if "=" in v)
-                if int(env.get("RANK", -1)) in ranks:
-                    found[int(env["RANK"])] = int(proc.name)
-            except (OSError, ValueError):  # gone meanwhile, or not ours to read
-                continue
-        if not found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.1)  # polling for their exit
-
-
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
@@ -379,12 +346,7 @@ def main(cfg):
                                                                 int(os.environ["LOCAL_WORLD_SIZE"]))
     options = torch_rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
     run_dir = Path(cfg.run_dir)
-    (run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
-    # The server holds the run folder's lock until it exits: a second job on the same folder would
-    # prune and overwrite this one's checkpoints.
-    run_dir_lock = lock_run_dir(run_dir) if rank == 0 else None  # held until this process exits
-    if rank == 0 and run_dir_lock is None:
-        fail(f"--run-dir {run_dir} is in use by another job (see its .lock); use another --run-dir")
+    hold_run_dir(run_dir, rank)  # the server holds its lock until the process exits
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
@@ -416,19 +378,8 @@ def main(cfg):
     torch_rpc.shutdown(graceful=False)
     monitor.event("shutdown", shutdown_s=time.perf_counter() - t0)
     monitor.close()
-    # torchrun ends a job once every worker has exited: a trainer that froze would hold it for ever.
-    # Those of this node still running --straggler-timeout s after the end are killed; torchrun then
-    # restarts the group, and the restart, finding the job's code (0) left for the launcher, ends at once.
-    stuck = still_running(unheard, cfg.straggler_timeout) if unheard else {}
-    if stuck:
-        leave_stop_code(0)
-        print(f"trainers {sorted(stuck)} still running {cfg.straggler_timeout} s after the end: killed, as "
-              "torchrun waits for every worker", flush=True)
-        for pid in stuck.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended meanwhile
-                pass
+    if unheard:  # the server: a trainer that froze would keep torchrun waiting for ever
+        kill_stuck_trainers(unheard, cfg.straggler_timeout)
 
 
 if __name__ == "__main__":

@@ -12,16 +12,22 @@ newest weights, so no trainer waits for another. An update averages the first --
 queued gradients, from any trainers, in arrival order; the push that completes them (or arrives
 while they are complete) is answered by that update. A gradient computed more than --max-staleness
 updates before the one that would apply it is dropped, and counted. It drops no trainer.
+
+At the end, kill_stuck_trainers kills a trainer of the server's node that froze (torchrun would wait
+for it for ever).
 """
 import math
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from common.config import fail
+from common.config import fail, leave_stop_code
 from common.monitor import state_bytes
 
 SERVER = None  # the ParameterServer that the trainers' RPCs reach, in the server process: see set_server
@@ -77,7 +83,7 @@ class ParameterServer:
         self.lost = dict(lost)  # trainer rank -> the step it was dropped at; it stays dropped for the job
         self.live = set(range(1, trainers + 1)) - self.lost.keys()  # the trainers an update waits for
         self.version = version
-        self.after_update = after_update  # after_update(step): fault injection and checkpoint, under the lock
+        self.after_update = after_update  # after_update(server, step): fault injection and checkpoint, under the lock
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # wakes the main thread
         self.pushed = []  # gradients not applied yet: sync, this version's; async, in arrival order
@@ -87,10 +93,11 @@ class ParameterServer:
         self.left = set()  # trainers that have the last update's weights and said so
         self.version_started = self.waiting_since = time.monotonic()
         self.step_times, self.loss = [], None
-        self.reply = self.snapshot()
+        self.reply = self.reply_copy()
 
-    def snapshot(self):
-        """A copy of the weights, so no reply in flight can see a later update's weights."""
+    def reply_copy(self):
+        """The Reply every pull and push gets until the next update: a copy of the weights, so that no
+        reply in flight can see a later update's weights."""
         return Reply(self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     def pull(self, trainer):
@@ -189,14 +196,14 @@ class ParameterServer:
         self.version, self.loss = step, loss
         dt = time.monotonic() - self.version_started
         self.step_times.append(dt)
-        self.reply = self.snapshot()
+        self.reply = self.reply_copy()
         pushed_bytes = sum(g.numel() * g.element_size() for p in taken for g in p.grads)
         pulled_bytes = len(taken) * sum(v.numel() * v.element_size() for v in self.reply.weights.values())
         self.monitor.step(step, loss, lr, dt, self.tokens_per_trainer * len(taken),
                           state_bytes(self.model, self.optimizer), updates_per_s=1 / dt,
                           bytes_moved=pushed_bytes + pulled_bytes, trainers=len({p.trainer for p in taken}),
                           applied=[(p.trainer, p.trainer_step, p.version) for p in taken])
-        self.after_update(step)  # before any trainer sees the new version
+        self.after_update(self, step)  # before any trainer sees the new version
         answer(taken + self.pushed, self.reply)  # async: also the pushes that arrived while this one was due
         self.version_started = self.waiting_since = time.monotonic()
 
@@ -252,3 +259,44 @@ def answer(pushes, reply):
     for p in pushes:
         if not p.reply.done():
             p.reply.set_result(reply)
+
+
+# ----------------------------------------------------------------------------- teardown: trainers that froze
+def kill_stuck_trainers(trainers, wait_s):
+    """Kill those of `trainers` (ranks the server did not hear from at the end) that run on this node and
+    still run `wait_s` seconds after the end. torchrun ends a job only once every worker has exited, so a
+    trainer that froze would hold the job for ever. Killing one makes torchrun restart the group; the
+    job's code (0), left for the launcher first, makes that restart end at once (end_if_stopped)."""
+    stuck = still_running(trainers, wait_s)
+    if not stuck:
+        return
+    leave_stop_code(0)
+    print(f"trainers {sorted(stuck)} still running {wait_s} s after the end: killed, as "
+          "torchrun waits for every worker", flush=True)
+    for pid in stuck.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+
+
+def still_running(ranks, wait_s):
+    """{rank: pid} of the workers of `ranks` on this node still running after up to `wait_s` seconds. They
+    are this process's siblings (torchrun's agent started them all), found by their RANK in Linux's /proc."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if int(parent) != os.getppid() or state == "Z":  # not a sibling, or exited (not reaped yet)
+                    continue
+                env = dict(v.split("=", 1) for v in (proc / "environ").read_text(errors="replace").split("\0")
+                           if "=" in v)
+                if int(env.get("RANK", -1)) in ranks:
+                    found[int(env["RANK"])] = int(proc.name)
+            except (OSError, ValueError):  # gone meanwhile, or not ours to read
+                continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)  # polling /proc for their exit

@@ -1,10 +1,11 @@
 """Helpers for the end-to-end tests: launch the real torchrun, read what the scripts wrote."""
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.config import parse_config  # noqa: E402
 from harness import launch  # noqa: E402
+from harness.metrics import Watch  # noqa: E402
 
 # A small, fast job: most of a test's time is process start-up (import torch), not training.
 SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "--heads", "2",
@@ -72,6 +75,17 @@ def ddp_reference(tmp_path_factory):
     return run_dir
 
 
+PEAK_TFLOPS = 0.5  # a bf16 peak for the CPU, so that fsdp_reference logs MFU as on a GPU
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory):
+    """The run folder of the uninterrupted 2-rank FSDP job (SMALL, DROPOUT) that crash tests compare against."""
+    run_dir = tmp_path_factory.mktemp("fsdp-reference")
+    torchrun("fsdp/train.py", 2, run_dir, *SMALL, *DROPOUT, env={"PEAK_TFLOPS": str(PEAK_TFLOPS)})
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def fsdp_four_ranks(tmp_path_factory):
     """The uninterrupted 4-rank FSDP job (SMALL: 16 steps; checkpoints 8, 12 and 16 kept), for the
@@ -82,12 +96,18 @@ def fsdp_four_ranks(tmp_path_factory):
 
 
 def wait_for_step(run_dir, step, proc, rank=0):
-    """Watch rank `rank`'s metrics until it has completed `step`; False if the job ended first (a fault
-    meant for that step then never fires, and the test must fail, not pass)."""
-    path = Path(run_dir) / f"metrics-rank{rank}.jsonl"
-    while proc.poll() is None:
-        if path.exists() and any(json.loads(line).get("step") == step and json.loads(line)["event"] == "step"
-                                 for line in path.read_text().splitlines() if line.endswith("}")):
-            return True
-        time.sleep(0.02)  # polling the file the job writes, not waiting for a guess
-    return False
+    """Watch rank `rank`'s metrics until it has completed `step`: its step event, or None if the job ended
+    first (a fault meant for that step then never fires, and the test must fail, not pass)."""
+    return Watch(run_dir).first("step", proc, rank=rank, min_step=step)
+
+
+def refused(script, *argv, code=2):
+    """The one line (newline included) that `script`'s flag check prints as it refuses `argv`, before any
+    worker starts (run.sh's preflight, and each worker at its start), asserting its exit code."""
+    module = launch.load_script(REPO / script)  # loaded afresh: each flag's help is read from its source
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr):
+        parse_config(module.Config, module.check, [*map(str, argv)], presets=getattr(module, "PRESETS", None))
+    err = stderr.getvalue()
+    assert exit_.value.code == code and err.count("\n") == 1, (exit_.value.code, err)
+    return err

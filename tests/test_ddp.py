@@ -21,7 +21,7 @@ from common.config import parse_config
 from common.tokens import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
-from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
+from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun, wait_for_step
 
 SCRIPT = "ddp/train.py"
 
@@ -33,6 +33,19 @@ def single(run_dir, *flags, env=None, code=0, preexec_fn=None):
                           preexec_fn=preexec_fn)
     assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory):
+    """A one-process job's run folder after 8 steps of SMALL (checkpoints 4 and 8): the starting point
+    of the tests that resume it, each in a copy of its own (in_copy)."""
+    run_dir = tmp_path_factory.mktemp("ddp-8-steps")
+    single(run_dir, *SMALL, "--steps", 8)
+    return run_dir
+
+
+def in_copy(run_dir, tmp_path):
+    shutil.copytree(run_dir, tmp_path, dirs_exist_ok=True)
 
 
 def files(run_dir):
@@ -181,7 +194,7 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
     (["--timeout-s", str(10**14)], "--timeout-s must be in (0, 604800] (a week), got 100000000000000"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
-def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch):
     # The check run.sh does before torchrun starts workers (and each worker again at start).
     monkeypatch.setenv("WORLD_SIZE", "2")
     if "PEAK_TFLOPS" in message:
@@ -203,13 +216,9 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch,
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "ckpt").write_text("not a folder")
         flags = [str(tmp_path / "run") if f == "CKPT_IS_A_FILE" else f for f in flags]
-    ddp = load_script(REPO / SCRIPT)
     run_dir = [] if "--run-dir" in flags else ["--run-dir", str(tmp_path)]
-    with pytest.raises(SystemExit) as exit_:
-        parse_config(ddp.Config, ddp.check, [*run_dir, *flags])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    err = refused(SCRIPT, *run_dir, *flags)
+    assert message in err, err
 
 
 def deny_reading_checkpoints(monkeypatch):
@@ -228,17 +237,14 @@ def deny_reading_checkpoints(monkeypatch):
      "cannot read it (permission denied): fix its permissions, nothing was moved"),
 ])
 def test_a_run_folder_this_script_cannot_use_is_refused_in_one_line_and_left_alone(make, message, tmp_path,
-                                                                                     monkeypatch, capsys):
+                                                                                     monkeypatch):
     (tmp_path / "ckpt").mkdir()
     make(tmp_path / "ckpt")
     if "permission" in message:
         deny_reading_checkpoints(monkeypatch)
     before = sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*"))
-    ddp = load_script(REPO / SCRIPT)
-    with pytest.raises(SystemExit) as exit_:
-        parse_config(ddp.Config, ddp.check, ["--run-dir", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+    err = refused(SCRIPT, "--run-dir", tmp_path)
+    assert message in err, err
     assert sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*")) == before
 
 
@@ -251,8 +257,8 @@ def test_run_sh_rejects_bad_input_before_starting_workers(tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("usage: bash run.sh")
 
 
-def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path):
-    single(tmp_path, *SMALL, "--steps", 4)
+def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path, eight_steps):
+    in_copy(eight_steps, tmp_path)
     before = files(tmp_path)
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--dim", 64, "--layers", 3)
     assert proc.returncode == 2
@@ -262,12 +268,12 @@ def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path):
     assert "seed=0 (this run: 5)" in proc.stderr and "--allow-changes" in proc.stderr
     assert files(tmp_path) == before
     # ...while a new learning rate is applied and said (no saved schedule overrides it).
-    proc = single(tmp_path, *SMALL, "--steps", 6, "--lr", 0.01)
-    assert "resuming with changed settings: steps 4 -> 6, lr 0.003 -> 0.01" in proc.stdout
-    lrs = [e["lr"] for e in metrics(tmp_path, 0, "step") if e["step"] > 4]
+    proc = single(tmp_path, *SMALL, "--steps", 10, "--lr", 0.01)
+    assert "resuming with changed settings: steps 8 -> 10, lr 0.003 -> 0.01" in proc.stdout
+    lrs = [e["lr"] for e in metrics(tmp_path, 0, "step") if e["step"] > 8]
     ddp = load_script(REPO / SCRIPT)
-    cfg = parse_config(ddp.Config, argv=[*SMALL, "--steps", "6", "--lr", "0.01"])
-    assert lrs == [ddp.lr_at(cfg, 4), ddp.lr_at(cfg, 5)]
+    cfg = parse_config(ddp.Config, argv=[*SMALL, "--steps", "10", "--lr", "0.01"])
+    assert lrs == [ddp.lr_at(cfg, 8), ddp.lr_at(cfg, 9)]
 
 
 def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
@@ -298,10 +304,10 @@ def test_save_every_0_chooses_the_disk_interval_by_young_and_daly(tmp_path):
     assert all(any(s % int(c[0]) == 0 for c in chosen) for s in saved[1:-1]), (saved, chosen)
 
 
-def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_path):
+def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_path, eight_steps):
     # A stop is a stop: torchrun would retry a non-zero exit 3 times, retraining into the same NaN; the
     # workers exit 0, which it does not retry, and run.sh exits with their code.
-    single(tmp_path, *SMALL, "--steps", 8)
+    in_copy(eight_steps, tmp_path)
     before = files(tmp_path)
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--nan-at-step", 10)
     assert proc.returncode == 3 and "resuming from step 8" in proc.stdout and "restart 1" not in proc.stdout
@@ -310,8 +316,8 @@ def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_pa
     assert files(tmp_path) == before  # the last finite checkpoints, untouched; nothing of step 10 or later
 
 
-def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path):
-    single(tmp_path, *SMALL, "--steps", 8)
+def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path, eight_steps):
+    in_copy(eight_steps, tmp_path)
     before = files(tmp_path)
 
     def file_size_limit():  # a full disk, as far as the checkpoint is concerned: its write fails

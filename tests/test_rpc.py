@@ -1,7 +1,6 @@
 """rpc/ps.py and rpc/server.py: the parameter server resumes bit-exactly after crashes, drops a lost
 trainer without stalling, ends without waiting for a trainer that froze, and updates under its lock
 whatever order the gradients arrive in."""
-import json
 import os
 import signal
 import threading
@@ -11,13 +10,12 @@ import pytest
 import torch
 
 from common.checkpoint import param_digest
-from common.config import parse_config
 from common.model import Transformer, model_config
 from common.monitor import Monitor
 from harness import launch
 from harness.launch import load_script, workers
-from harness.metrics import final_history
-from conftest import REPO, SMALL, metrics, summary, torchrun
+from harness.metrics import Watch, final_history
+from conftest import REPO, SMALL, metrics, refused, summary, torchrun
 from rpc.server import ParameterServer, lr_at
 
 ps = load_script(REPO / "rpc" / "ps.py")
@@ -58,19 +56,8 @@ def start_job(run_dir, nproc, *flags):
     pids = {}
     while len(pids) < nproc and proc.poll() is None:
         pids = workers(proc.pid, attempt=0)
-        time.sleep(0.01)  # polling for the processes, not waiting for a moment
+        time.sleep(0.01)  # polling /proc for the processes, not waiting for a moment
     return proc, pids
-
-
-def wait_for_event(run_dir, proc, event, deadline, step=0):
-    """Rank 0's first `event` (at `step` or later) once written; None if the job ends or the deadline passes first."""
-    path = run_dir / "metrics-rank0.jsonl"
-    while True:
-        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # whole lines: the last may be half-written
-        found = [e for e in map(json.loads, lines) if e["event"] == event and e.get("step", step) >= step]
-        if found or time.monotonic() > deadline or proc.poll() is not None:
-            return found[0] if found else None
-        time.sleep(0.005)  # polling the file, not waiting for a moment
 
 
 @pytest.fixture
@@ -90,7 +77,7 @@ def test_killed_trainer_restarts_the_job(tmp_path, reference, kill_at_end):
     run_dir = tmp_path / "run"
     proc, pids = start_job(run_dir, 3)
     kill_at_end(proc)
-    assert wait_for_event(run_dir, proc, "step", time.monotonic() + 120, step=6)
+    assert Watch(run_dir).first("step", proc, time.time() + 120, min_step=6)
     os.kill(pids[2], signal.SIGKILL)
     code, output, _ = launch.finish(proc, time.time() + 120)
     assert launch.problems(run_dir, code, output, restarts=1) == [], output[-4000:]
@@ -107,10 +94,10 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
     t0 = time.monotonic()
     proc, pids = start_job(run_dir, 4, "--drop-trainer-at-step", 4, "--straggler-timeout", straggler_s)
     kill_at_end(proc)
-    assert wait_for_event(run_dir, proc, "step", t0 + 120, step=8)
+    watch = Watch(run_dir)
+    assert watch.first("step", proc, time.time() + 120, min_step=8)
     os.kill(pids[2], signal.SIGSTOP)
-    stopped = time.monotonic()
-    shutdown = wait_for_event(run_dir, proc, "shutdown", stopped + straggler_s + 30)
+    shutdown = watch.first("shutdown", proc, time.time() + straggler_s + 30)
     assert shutdown is not None, "the server waited for the frozen trainer"
     code, output, hung = launch.finish(proc, time.time() + 60)
     assert not hung and launch.problems(run_dir, code, output, restarts=0) == [], output[-4000:]
@@ -147,19 +134,15 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
     ("3", ["--slow-trainer", "3"], "--slow-trainer must be a trainer's rank, 1..2, got 3"),
     ("3", ["--slow-factor", "0.5"], "--slow-factor must be >= 1, got 0.5"),
 ])
-def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monkeypatch):
     # The check run.sh does before torchrun starts workers (and each worker again at start).
     monkeypatch.setenv("WORLD_SIZE", world)
-    script = load_script(REPO / "rpc" / "ps.py")  # registered afresh: the flags' help is read from its source
-    with pytest.raises(SystemExit) as exit_:
-        parse_config(script.Config, script.check, ["--run-dir", str(tmp_path), *flags])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    err = refused("rpc/ps.py", "--run-dir", tmp_path, *flags)
+    assert message in err, err
 
 
 # ----------------------------------------------------------------------------- rpc/server.py, no RPC
-def make_server(tmp_path, cfg, trainers, after_update=lambda step: None):
+def make_server(tmp_path, cfg, trainers, after_update=lambda server, step: None):
     model = Transformer(model_config(cfg), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     monitor = Monitor(tmp_path, 0, torch.device("cpu"), log_every=1000)
@@ -199,7 +182,7 @@ def test_pushes_from_many_threads_match_serial_updates(tmp_path):
     cfg, trainers = ps.Config(**SERVER_CFG), 8
     grads = [{t: random_grads(cfg, 100 * step + t) for t in range(1, trainers + 1)} for step in range(cfg.steps)]
     saved = []
-    server = make_server(tmp_path, cfg, trainers, after_update=saved.append)
+    server = make_server(tmp_path, cfg, trainers, after_update=lambda server, step: saved.append(step))
     replies = {t: [] for t in range(1, trainers + 1)}
     start = threading.Barrier(trainers)
 
@@ -264,7 +247,7 @@ def test_a_loss_that_is_not_finite_stops_the_server_before_it_saves(tmp_path, ca
     cfg = ps.Config(**SERVER_CFG)
     grads = [{t: random_grads(cfg, 100 * step + t) for t in (1, 2)} for step in range(2)]
     saved, replies = [], {}
-    server = make_server(tmp_path, cfg, 2, after_update=saved.append)
+    server = make_server(tmp_path, cfg, 2, after_update=lambda server, step: saved.append(step))
 
     def trainer(t):  # trainer 2's loss of update 2 is NaN, as --nan-at-step 2 makes it
         for step in range(2):
@@ -334,10 +317,10 @@ def async_job(tmp_path_factory, request):
     run_dir = tmp_path_factory.mktemp("rpc-async") / "run"
     proc, _ = start_job(run_dir, 3, *ASYNC, "--crash-at-step", 11, "--crash-rank", 0)
     request.addfinalizer(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
-    deadline = time.monotonic() + 120
-    assert wait_for_event(run_dir, proc, "load", deadline)  # the first restart resumes (the first run started fresh)
+    deadline, watch = time.time() + 120, Watch(run_dir)
+    assert watch.first("load", proc, deadline)  # the first restart resumes (the first run started fresh)
     trainer_1 = workers(proc.pid, attempt=1)[1]  # looked up now: a step of this job takes milliseconds
-    assert wait_for_event(run_dir, proc, "step", deadline, step=18)  # the first run never got past 11
+    assert watch.first("step", proc, deadline, min_step=18)  # the first run never got past 11
     os.kill(trainer_1, signal.SIGKILL)
     code, output, _ = launch.finish(proc, time.time() + 120)
     assert launch.problems(run_dir, code, output, restarts=2) == [], output[-4000:]

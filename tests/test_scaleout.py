@@ -1,7 +1,6 @@
 """Several nodes on one machine: torchrun agents meeting at one c10d rendezvous, as nodes would (a fixed
 pair; an elastic job that loses a node, and one that gains one); and the cluster launch files the README
 gives."""
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ import pytest
 
 from common import snapshot
 from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
-from harness.metrics import phases
+from harness.metrics import Watch, phases
 from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun, wait_for_step
 
 
@@ -133,13 +132,10 @@ def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
     first = start_node(0)
     assert wait_for_step(run, 5, first), "the job ended before step 5"
     second, added_at = start_node(1), time.time()
-    trained_at_4 = False
-    while not trained_at_4 and first.poll() is None and time.time() < added_at + 120:
-        lines = (run / "metrics-rank0.jsonl").read_text().splitlines()
-        rows = [e for e in map(json.loads, (line for line in lines if line.endswith("}"))) if e["time"] > added_at]
-        four = [e["time"] for e in rows if e["event"] == "start" and e["world_size"] == 4]
-        trained_at_4 = bool(four) and any(e["event"] == "step" and e["time"] > four[0] for e in rows)
-        time.sleep(0.05)  # watching the metrics file for the first step at 4 ranks
+    watch, deadline = Watch(run), added_at + 120  # rank 0's first start at 4 ranks, then a step after it
+    four = watch.until(lambda e: e["rank"] == 0 and e["event"] == "start" and e["world_size"] == 4, first, deadline)
+    trained_at_4 = four and watch.until(lambda e: e["rank"] == 0 and e["event"] == "step" and e["time"] > four["time"],
+                                        first, deadline)
     assert trained_at_4, "no step at 4 ranks within 120 s of the second node's start"
     for agent in (first, second):
         agent.send_signal(signal.SIGTERM)
