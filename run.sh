@@ -32,10 +32,15 @@ usage() {
   exit 2
 }
 
-# Training imports torch (FSDP2's fully_shard, DCP's async staging) and numpy; the test, compare and
-# chaos modes also need tabulate, pytest and matplotlib. The import that shows each one is there:
+# Training imports torch (FSDP2's fully_shard, DCP's async staging: the oldest torch requirements.txt
+# claims has them) and numpy; the test, compare and chaos modes also need tabulate, pytest and matplotlib.
+# What shows each one is there: torch's installed version, read without importing torch (3-4 s, at every
+# start of run.sh), the others' import.
+torch_min=$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)
+IMPORT_TORCH="from torch.distributed.fsdp import fully_shard; from torch.distributed.checkpoint.staging import DefaultStager"
 declare -A CHECK=(
-  [torch]="from torch.distributed.fsdp import fully_shard; from torch.distributed.checkpoint.staging import DefaultStager"
+  [torch]="import importlib.metadata, re; need = [int(n) for n in '$torch_min'.split('.')]
+assert [int(n) for n in re.findall(r'\d+', importlib.metadata.version('torch'))[:len(need)]] >= need"
   [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest"
   [matplotlib]="import matplotlib")
 TRAIN=(torch numpy)
@@ -99,7 +104,7 @@ compat() {
     share "$PY" "$venv"
     pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
     "${pip[@]}" --no-deps "torch==$version"
-    if ! "$venv/bin/python" -c "${CHECK[torch]}" &>/dev/null; then
+    if ! "$venv/bin/python" -c "$IMPORT_TORCH" &>/dev/null; then
       echo "run.sh: torch $version does not import with $PY's libraries: installing its own" >&2
       "${pip[@]}" "torch==$version"
     fi

@@ -157,7 +157,7 @@ def wrap(model, device):
 
 
 # ----------------------------------------------------------------------------- checkpoint
-# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.save writes it, Checkpointer.resume reads it): a
+# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.resume reads it): a
 # load refuses any other.
 FORMAT = 2
 
@@ -317,9 +317,11 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        snapshots = None  # the memory tier (common/snapshot.py): every rank's RNG, and one copy per node of
-        if cfg.snapshot_every:  # the model and optimizer, which the node's ranks copy a part each; each rank's
-            from common.snapshot import open_tier  # record is also kept by a rank of the next node
+        # The memory tier (common/snapshot.py): every rank's RNG, and one copy per node of the model and
+        # optimizer, which the node's ranks copy a part each; each rank's record also kept by the next node.
+        snapshots = None
+        if cfg.snapshot_every:
+            from common.snapshot import open_tier
             snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
         step_times = []

@@ -249,8 +249,9 @@ def main(cfg):
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        snapshots = None  # the memory tier (common/snapshot.py): a rank's shards and RNG, its record (and
-        if cfg.snapshot_every:  # shards) also kept by a rank of the next node
+        # The memory tier (common/snapshot.py): a rank's shards and RNG, also kept by a rank of the next node.
+        snapshots = None
+        if cfg.snapshot_every:
             from common.snapshot import open_tier
             snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
                                   "shards")
