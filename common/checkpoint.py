@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import fail
-from common.dist import PREEMPTED, print0, set_collective_timeout
+from common.dist import PREEMPTED, print0, restarts, set_collective_timeout
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
@@ -467,7 +467,7 @@ class PendingSave:
 class BaseCheckpointer:
     """When a script saves, and the rungs of its resume that every script shares: a script's
     Checkpointer subclasses it with what its checkpoint holds, write(step, asynchronous) -> the save
-    still in flight or None, commit(pending, in_loop) and resume().
+    still in flight or None, commit(pending, in_loop), and load(), the resume from disk.
 
     The loop calls save(step, stop) after each step: it starts the memory tier's snapshot when one is
     due, and writes a disk checkpoint every --save-every steps (--save-every 0: an interval by Young
@@ -524,11 +524,21 @@ class BaseCheckpointer:
         if self.pending:
             self.commit(self.pending, in_loop=False)
 
-    def resume_from_memory(self):
-        """The first rung of a resume: the memory tier's newest snapshot, if every rank can restore it and
-        it is newer than the disk's newest checkpoint. Returns the step restored, or None."""
-        if not self.snapshots:
-            return None
+    def resume(self, launched_at):
+        """Restore the state from the newest source that loses the least: a memory snapshot newer than the
+        disk's newest checkpoint (the memory tier), else the newest checkpoint on disk (the script's
+        load()), else a fresh start. Logs the attempt's start event (`launched_at`: the process's
+        start). Returns the step resumed from, or None."""
+        step = self.load_from_memory() if self.snapshots else None
+        if step is None:
+            step = self.load()
+        self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
+                           restarts=restarts(), world_size=self.world)
+        return step
+
+    def load_from_memory(self):
+        """The memory tier's newest snapshot, if every rank can restore it and it is newer than the disk's
+        newest checkpoint. Returns the step restored, or None."""
         t0, committed = time.perf_counter(), checkpoints(self.ckpt_dir) if self.rank == 0 else None
         step = self.snapshots.resume(committed[0][0] if committed else None, self.device)
         if step is not None:

@@ -157,7 +157,7 @@ def wrap(model, device):
 
 
 # ----------------------------------------------------------------------------- checkpoint
-# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.resume reads it): a
+# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it): a
 # load refuses any other.
 FORMAT = 2
 
@@ -242,17 +242,12 @@ class Checkpointer(BaseCheckpointer):
         if self.write_pool:
             self.write_pool.shutdown()
 
-    def resume(self):
-        """Restore the model, the optimizer and this rank's RNG from the newest memory snapshot, if it is
-        newer than the disk's newest checkpoint, else from the newest checkpoint that loads; or seed the
-        RNG for a fresh start. Returns the step resumed from, or None.
-
-        Rank 0 picks the checkpoint (falling back past torn ones) and every rank loads that same file, so
-        no rank can resume from another step than the others."""
+    def load(self):
+        """Restore the model, the optimizer and this rank's RNG from the newest checkpoint that loads, or
+        seed the RNG for a fresh start. Returns the step resumed from, or None. Rank 0 picks the checkpoint
+        (falling back past torn ones) and every rank loads that same file, so no rank can resume from
+        another step than the others."""
         cfg, rank, world = self.cfg, self.rank, self.world
-        step = self.resume_from_memory()  # a snapshot newer than the newest disk checkpoint loses less
-        if step is not None:
-            return step
         chosen, state, t0 = [None], None, time.perf_counter()
         if rank == 0:
             _, chosen[0], state = load_newest(self.ckpt_dir, read_checkpoint)
@@ -327,10 +322,8 @@ def main(cfg):
         step_times = []
         checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times,
                                     snapshots, faults)
-        resumed_from = checkpointer.resume()
+        resumed_from = checkpointer.resume(LAUNCHED_AT)  # from memory, else from disk, else a fresh start
         step = resumed_from or 0
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
-                      world_size=world)
 
         ddp_model, comm = wrap(model, device)
 

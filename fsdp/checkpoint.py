@@ -2,11 +2,11 @@
 shards of "model" and "optimizer" (DCP, by name, as get_state_dict gives them), and train.pt (format,
 step, world_size, config, every rank's RNG), then DCP's `.metadata`, the commit.
 
-Checkpointer says what a checkpoint holds (write), waits for its commit (commit) and resumes from one
-(resume); when to save is common.checkpoint.BaseCheckpointer's. Below it: the writer that commits a
-folder, the record of a save in flight (synchronous or while training goes on) and its waits, the
-staging options, the reader that unpickles only what DCP writes, and the load that every rank agrees
-on, with its fallback.
+Checkpointer says what a checkpoint holds (write), waits for its commit (commit) and loads one
+(load); when to save, and the ladder of a resume, are common.checkpoint.BaseCheckpointer's. Below
+it: the writer that commits a folder, the record of a save in flight (synchronous or while training
+goes on) and its waits, the staging options, the reader that unpickles only what DCP writes, and the
+load that every rank agrees on, with its fallback.
 """
 import dataclasses
 import datetime
@@ -143,15 +143,11 @@ class Checkpointer(BaseCheckpointer):
         if self.stager:
             self.stager.close()
 
-    def resume(self):
-        """Restore the newest memory snapshot that every rank holds, if it is newer than the disk's newest
-        checkpoint; else load the newest checkpoint folder that loads on every rank and fits the config,
-        and restore train.pt's step and RNG states; else start fresh. Returns the step resumed from, or
-        None."""
+    def load(self):
+        """Load the newest checkpoint folder that loads on every rank and fits the config, and restore
+        train.pt's step and RNG states; else start fresh. Returns the step resumed from, or None."""
         cfg, rank, world = self.cfg, self.rank, self.world
-        step = self.resume_from_memory()  # a snapshot newer than the newest disk checkpoint loses less
-        if step is not None:
-            return step
+        step = None
         # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
         # turn and move on together, so they never load different steps.
         candidates = [[path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None]

@@ -259,10 +259,8 @@ def main(cfg):
         step_times = []
         checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times,
                                     snapshots, faults)
-        resumed_from = checkpointer.resume()
+        resumed_from = checkpointer.resume(LAUNCHED_AT)  # from memory, else from disk, else a fresh start
         step = resumed_from or 0
-        monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed_from, restarts=restarts(),
-                      world_size=world)
 
         # --------------------------------------------------------------------- training loop
         while step < cfg.steps:
