@@ -35,7 +35,7 @@ from torch.torch_version import TorchVersion
 from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, move_aside, prune,
                                refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
 from common.config import fail
-from common.dist import agree, print0
+from common.dist import PEER_LOST, agree, print0
 from common.model import SHAPE_FIELDS
 
 # The layout of a ckpt/step-NNNNNNNN/ folder (Checkpointer.write): DCP's shards of "model" and
@@ -277,7 +277,16 @@ def keep_writer_errors(args, default=threading.excepthook):
 def save_failed(step, error):
     """One line and exit 3 for a save that failed (a full disk): its folder is never committed, so the
     checkpoints of earlier steps stay the ones a restart loads. The reason is the disk's (an OSError of
-    a writer thread) when there is one: the caller's own error may be a consequence, as a torn zip."""
+    a writer thread) when there is one: the caller's own error may be a consequence, as a torn zip.
+
+    A save whose collectives lost a peer (it died or hung while the save was in flight: DCP's result
+    never came from rank 0) did not fail on this rank: the peer's crash is what torchrun must answer.
+    It is raised as a lost peer (common.dist.peer_loss_in_one_line: one line, exit 1, a restart from
+    the last commit), not stopped as a failed save, which is never retried."""
+    lost = next((phrase for phrase in PEER_LOST if phrase in str(error)), None)
+    if lost:
+        raise RuntimeError(f"saving step {step}: {lost}, a peer died or hung while the save was in flight") \
+            from error
     cause = next((e for e in WRITER_ERRORS if isinstance(e, OSError)), error)
     reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1][:160] or type(cause).__name__
     fail(f"saving step {step} failed ({reason}): the checkpoints of earlier steps are kept", code=3)
