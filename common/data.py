@@ -18,20 +18,21 @@ import torch
 MAX_STRIDE = 8
 
 
-def data_problems(path, vocab, seq_len, flag="--data"):
-    """What is wrong with `path` as training data (common/tokens.py): one line, or []."""
-    from common.tokens import file_problems
-    return file_problems(path, vocab, seq_len, flag)
+def data_problems(path, vocab, seq_len, flag="--data", train=None):
+    """What is wrong with `path` as training data (common/tokens.py), or as --val-data beside the --data
+    file `train` (whose format it must have): one line, or []."""
+    from common.tokens import file_problems, pair_problems
+    return file_problems(path, vocab, seq_len, flag) or (pair_problems(train, path) if train else [])
 
 
 # --------------------------------------------------------------------------- batches
 class StepData:
-    def __init__(self, seed, global_batch, seq_len, vocab, path=None):
+    def __init__(self, seed, global_batch, seq_len, vocab, path=None, flag="--data"):
         self.seed, self.global_batch, self.seq_len, self.vocab = seed, global_batch, seq_len, vocab
         self.tokens, self.format = None, f"synthetic arithmetic sequences (vocab {vocab})"
         if path:  # a token file (common/tokens.py)
             from common.tokens import file_problems, token_file
-            problems = file_problems(path, vocab, seq_len)
+            problems = file_problems(path, vocab, seq_len, flag)  # `flag`: the file's, for the message
             if problems:
                 raise ValueError(problems[0])
             source = token_file(path)
@@ -70,7 +71,8 @@ def eval_batches(cfg, rank, world_size):
     task) that every evaluation uses, announced by rank 0; [] when evaluation is off."""
     if not cfg.eval_every:
         return []
-    val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.val_data or cfg.data or None)
+    val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.val_data or cfg.data or None,
+                   "--val-data" if cfg.val_data else "--data")
     if rank == 0:
         print(f"eval: every {cfg.eval_every} steps, {cfg.eval_batches} batches of {val.format}", flush=True)
     return val.held_out(cfg.eval_batches, rank, world_size)

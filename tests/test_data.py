@@ -1,12 +1,14 @@
 """Unit tests of common/data.py: token files (llm.c's and nanoGPT's) round trip, memory-mapped; the
 synthetic task and the byte path draw the rows they drew before token files existed; each bad file
-gets one line."""
+gets one line, and a validation file that does not match the training data's is refused."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from common.data import StepData, data_problems
-from common.tokens import GPT2_MAGIC, LLAMA3_MAGIC, SAMPLE_WINDOW_BYTES, write_tokens
+from common.tokens import GPT2_MAGIC, LLAMA3_MAGIC, write_tokens
 
 FOX = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -105,10 +107,21 @@ def header_cut_short(path):
     path.write_bytes(path.read_bytes()[:500])
 
 
-def big_file_with_one_bad_id_last(path):
-    ids = np.zeros(20 * SAMPLE_WINDOW_BYTES // 2, dtype=np.int64)  # more windows than the sample reads
-    ids[-1] = 5000
+def one_bad_id_in_a_big_file(path):
+    # 1.3 MB: the check once read 16 windows of 64 KiB of it, and none of them held id 40,000
+    ids = np.zeros(655_360, dtype=np.int64)
+    ids[40_000] = 5000
     write_tokens(path, ids)
+
+
+def flat_ids(path, dtype="<u2"):
+    path.write_bytes(np.asarray([(7 * i) % 300 for i in range(2000)], dtype=dtype).tobytes())
+
+
+def tokenizer_json(path):
+    vocab = {f"t{i}": i for i in range(300)}
+    path.write_text(json.dumps({"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": vocab}},
+                               indent=2))
 
 
 @pytest.mark.parametrize("make, name, vocab, message", [
@@ -123,8 +136,19 @@ def big_file_with_one_bad_id_last(path):
     pytest.param(header_cut_short, "train.bin", 4096, "fewer than its 1024-byte header", id="header cut short"),
     pytest.param(lambda p: write_tokens(p, [1, 2, 3, 4096] * 50), "train.bin", 4096, "holds token id 4096",
                  id="ids >= vocab"),
-    pytest.param(big_file_with_one_bad_id_last, "train.bin", 4096, "holds token id 5000",
-                 id="ids >= vocab in the last window of a big file"),
+    pytest.param(one_bad_id_in_a_big_file, "train.bin", 4096, "holds token id 5000",
+                 id="one id >= vocab in a big file"),
+    pytest.param(tokenizer_json, "tokenizer.json", 4096, "is a JSON file (a tokenizer's vocabulary or a config)",
+                 id="a tokenizer's JSON"),
+    pytest.param(flat_ids, "train.tok", 4096, "neither a token file", id="flat uint16 ids not named *.bin"),
+    pytest.param(lambda p: flat_ids(p, "<u4"), "train.u32", 4096, "neither a token file", id="flat uint32 ids"),
+    pytest.param(lambda p: np.save(p, np.arange(2000)), "train.npy", 4096, "neither a token file", id="numpy .npy"),
+    pytest.param(lambda p: p.write_text(FOX, encoding="utf-16"), "fox.txt", 4096, "neither a token file",
+                 id="UTF-16 text"),
+    pytest.param(lambda p: p.write_bytes(bytes(range(1, 32)) * 100), "ctl.txt", 4096, "control characters",
+                 id="control characters"),
+    pytest.param(lambda p: p.write_text(FOX), "fox.bin", 65536, "is named *.bin, as nanoGPT's flat uint16 tokens are, "
+                 "but is plainly text", id="text named *.bin"),
     pytest.param(lambda p: write_tokens(p, range(10)), "train.bin", 4096, "10 tokens, fewer than one sequence",
                  id="too few tokens"),
     pytest.param(lambda p: p.write_text(FOX), "fox.txt", 64, "needs --vocab 256 or more, got 64", id="text, vocab 64"),
@@ -143,3 +167,44 @@ def test_a_bad_file_gets_one_line_naming_it(make, name, vocab, message, tmp_path
     with pytest.raises(ValueError) as error:
         StepData(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path)
     assert str(error.value) == problems[0]
+    with pytest.raises(ValueError, match="^--val-data "):
+        StepData(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path, flag="--val-data")
+
+
+def test_plainly_text_in_any_script_is_read_as_bytes(tmp_path):
+    # Multi-byte characters, one of them cut by the end of the sample the check reads
+    path = tmp_path / "corpus.txt"
+    path.write_text("x" + "naïve café, 日本語の文章。\n" * 4000, encoding="utf-8")
+    assert data_problems(path, 256, 16) == []
+    assert StepData(seed=0, global_batch=2, seq_len=16, vocab=256, path=path).format.startswith("bytes of a text file")
+
+
+def test_ids_above_vocab_get_the_advice_of_their_flag(tmp_path):
+    path = tmp_path / "ids.bin"
+    one_bad_id_in_a_big_file(path)
+    [data] = data_problems(path, 4096, 16)
+    assert "holds token id 5000" in data and "pass --vocab 5001 or more" in data
+    [val] = data_problems(path, 4096, 16, "--val-data")
+    assert val.startswith(f"--val-data {path} holds token id 5000") and "--vocab 5001" not in val
+    assert "a validation file from the training data's tokenizer" in val and "below --vocab 4096" in val
+    (tmp_path / "fox.txt").write_text(FOX)
+    [text] = data_problems(tmp_path / "fox.txt", 64, 16, "--val-data")
+    assert "a validation file from the training data's tokenizer" in text and "--vocab 256" not in text
+
+
+@pytest.mark.parametrize("name, write_val, message", [
+    pytest.param("val.bin", write_flat, "holds nanoGPT flat uint16 tokens but --data", id="flat beside llm.c's"),
+    pytest.param("val.bin", write_llama3, "holds llm.c uint32 LLaMA-3 tokens but --data", id="uint32 beside uint16"),
+    pytest.param("val.txt", lambda p, ids: p.write_text(FOX), "holds bytes of a text file but --data",
+                 id="text beside tokens"),
+])
+def test_a_validation_file_of_another_format_is_refused(name, write_val, message, tmp_path):
+    train, val, same = tmp_path / "train.bin", tmp_path / name, tmp_path / "val-same.tok"
+    ids = [(7 * i) % 300 for i in range(2000)]
+    write_gpt2(train, ids)
+    write_gpt2(same, ids[::-1])
+    assert data_problems(same, 300, 16, "--val-data", train=train) == []
+    write_val(val, ids)
+    problems = data_problems(val, 300, 16, "--val-data", train=train)
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert problems[0].startswith(f"--val-data {val} {message} {train} holds llm.c uint16 GPT-2 tokens: give a ")
