@@ -71,17 +71,19 @@ class _WriteErrors:
         self.f.flush()
 
 
-def atomic_write(path, write, before_commit=None):
+def atomic_write(path, write, before_commit=None, mode=0o666):
     """Write a file through `write(f)` to a temp file in the same folder, fsync, rename, fsync the folder.
 
     A crash at any point leaves either the old state or the complete new file, never a partial
     `path`. `before_commit` runs when the bytes are on disk but not yet committed (fault injection).
-    Returns the number of bytes written.
+    The temp file is made afresh (a link in its place is removed, not followed), with `mode` (less the
+    umask). Returns the number of bytes written.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a crashed process's, whose pid this one reuses
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), "wb") as f:
             out = _WriteErrors(f)
             try:
                 write(out)
@@ -214,14 +216,15 @@ def lock_run_dir(run_dir):
         f.close()
         return None
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, job {os.environ.get('TORCHELASTIC_RUN_ID', '-')}\n")
     f.flush()
     return f
 
 
-def run_dir_in_use(run_dir):
+def run_dir_in_use(run_dir, job=None):
     """Why a new job must not start in `run_dir` (a running job holds its lock), or None. Checked once,
-    before the workers start (harness/launch.py): a worker would see its own rank 0's lock."""
+    before the workers start (harness/launch.py): a worker would see its own rank 0's lock. `job`: the
+    rendezvous id of a node joining a job of several nodes, which passes if it is the holder's."""
     if not (Path(run_dir) / ".lock").exists():
         return None
     lock = lock_run_dir(run_dir)
@@ -229,6 +232,8 @@ def run_dir_in_use(run_dir):
         lock.close()
         return None
     holder = (Path(run_dir) / ".lock").read_text().strip() or "another process"
+    if job is not None and holder.rpartition(", job ")[2] == job:  # a node of the running job: it joins it
+        return None
     return (f"--run-dir {run_dir} is in use by another job ({holder} holds its .lock): "
             "wait for it to end, or use another --run-dir")
 
@@ -335,6 +340,17 @@ def refuse_unfit(saved, cfg, path, fmt, shape_fields, sample_fields):
         fail(f"{path}: {problem}")
     if changes:
         print0(f"resuming with changed settings: {', '.join(changes)}")
+
+
+def keeping_settings(optimizer, load):
+    """load(), which loads a saved state into `optimizer`, and its result; the param groups keep this
+    run's settings (weight decay, betas, eps, fused; the lr is set at each step), not the saving run's
+    that the state brings: a changed flag applies on a resume from disk as it does from memory."""
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    result = load()
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
+    return result
 
 
 def restore_rng(rngs, saved_world, seed, step, rank, world):

@@ -8,12 +8,12 @@ Files, in the keeping rank's snapshot folder, named after the rank they came fro
     <run>-rank<R>-slot<S>-<size>.replica.bin    its shards ("shards" mode only)
 """
 import json
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from common.checkpoint import atomic_write
+from common.snapshot import checksum, map_file, read_checked
 
 
 class Replica:
@@ -55,14 +55,13 @@ class Replica:
                 self.path(record["slot"]).unlink(missing_ok=True)
                 key = (record["slot"], record["nbytes"])
                 if key not in self.maps:
-                    self.maps[key] = torch.from_file(str(self.bin_path(*key)), shared=True, size=record["nbytes"],
-                                                     dtype=torch.uint8)
+                    self.maps[key] = map_file(self.bin_path(*key), record["nbytes"], write=True)
                 requests.append(dist.irecv(self.maps[key], self.source, group=self.side))
             for request in requests:
                 request.wait()
         if record is not None:
             data = incoming.numpy().tobytes()
-            atomic_write(self.path(record["slot"]), lambda f: f.write(data))
+            atomic_write(self.path(record["slot"]), lambda f: f.write(data), mode=0o600)
 
     def records(self):
         """{source rank: {step: record}} of the replicas kept here, of this run ({}: none); with shards,
@@ -70,7 +69,7 @@ class Replica:
         found = {}
         for slot in (0, 1):
             try:
-                record = json.loads(self.path(slot).read_text())
+                record = json.loads(read_checked(self.path(slot)))
             except (OSError, ValueError):  # absent, or not a record
                 continue
             if (record.get("format"), record.get("run"), record.get("rank")) != (self.fmt, self.run, self.source):
@@ -84,11 +83,13 @@ class Replica:
 
     def shards(self, record):
         """The source's shards of `record`, kept here (uint8), if they match its checksum; else None."""
-        path = self.bin_path(record["slot"], record["nbytes"])
-        if record["part"] != [0, record["nbytes"]] or not path.is_file() or path.stat().st_size != record["nbytes"]:
+        if record["part"] != [0, record["nbytes"]]:
             return None
-        buf = torch.from_file(str(path), shared=False, size=record["nbytes"], dtype=torch.uint8)
-        return buf if zlib.crc32(buf.numpy()) == record["crc32"] else None
+        try:
+            buf = map_file(self.bin_path(record["slot"], record["nbytes"]), record["nbytes"], write=False)
+        except (OSError, ValueError):  # missing, or of the wrong size
+            return None
+        return buf if checksum(buf, record["layout"]) == record["crc32"] else None
 
     def send_shards(self, record, to):
         """At a resume: the shards of `record`, kept here, to the rank `to` that lost its own."""

@@ -8,12 +8,18 @@ One folder per node (--snapshot-dir), two slots per rank, used in turn (slot = s
                         rank's own shards; for DDP one copy per node, named after the node's first
                         rank, each of the node's ranks copying a part of it
     <run>-rank<R>-slot<S>.json  rank R's record: step, world size, config, its RNG, the tensors'
-                        names, dtypes, shapes and offsets, the CRC32 of the part it copied
+                        names, dtypes, shapes and offsets, the CRC32 of the part it copied and of them
 A snapshot deletes its slot's record, copies, then writes the record to a temp name and renames it:
 a process killed at any point leaves the other slot whole; a step is restored only where every part
 of it is recorded and matches its checksum. <run> is the run's id (ckpt/run-id, created with the
 run), so another run's snapshots are never read; a record whose config differs is refused as a disk
 checkpoint's would be.
+
+The folder is this user's alone: open_tier makes it with mode 700 and refuses one that another user
+made or can write; every file in it is opened without following a link and checked (a regular file of
+this user's). Another local user can neither read a snapshot, plant one, nor redirect a write. A slot's
+bytes are reserved before they are written: a full tmpfs is then an error that turns the tier off,
+where a write through a mapping it cannot back would kill the process (SIGBUS).
 
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
@@ -31,6 +37,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import mmap
 import os
 import stat
 import time
@@ -49,7 +56,7 @@ from common.checkpoint import atomic_write, resume_problem, set_rng_state
 from common.dist import agree, print0
 from common.model import SHAPE_FIELDS
 
-FORMAT = 1  # the layout of a record (written below, read in `load`)
+FORMAT = 2  # the layout of a record (written below, read in `load`); 2: its checksum covers its layout
 ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its typed view is aligned
 STATE_BYTES_PER_PARAM = 12  # an fp32 weight and AdamW's two fp32 moments
 
@@ -74,8 +81,9 @@ def tier_problems(cfg, params, sharded):
     if folder is None:
         return []
     world = int(os.environ.get("WORLD_SIZE", 1))
+    ckpt_dir = Path(cfg.run_dir) / "ckpt"
     problem = room_problem(folder, needed_bytes(params, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                                                sharded))
+                                                sharded), run_id(ckpt_dir, make=False) if ckpt_dir.is_dir() else None)
     return [problem] if problem else []
 
 
@@ -87,15 +95,18 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     `sample_fields` unless they may change). `replicate` keeps each record ("records": DDP, whose nodes
     hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
     next node (common/replica.py), when there is one."""
-    have = [None] * dist.get_world_size()
-    dist.all_gather_object(have, folder_of(cfg) is not None)
-    if not all(have):
-        print0(f"memory tier off: no /dev/shm on rank {have.index(False)} (pass --snapshot-dir to choose a folder)")
+    folder = folder_of(cfg)
+    problems = [None] * dist.get_world_size()  # made here (it may have been made by another since the check)
+    dist.all_gather_object(problems, private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir "
+                           "to choose a folder)")
+    bad = next((r for r, problem in enumerate(problems) if problem), None)
+    if bad is not None:
+        print0(f"memory tier off: rank {bad}: {problems[bad]}")
         return None
     ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    folder, replica = folder_of(cfg), None
+    replica = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
         from common.replica import Replica
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
@@ -109,13 +120,85 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     return snapshots
 
 
-def run_id(ckpt_dir):
-    """The run's id, created with the run (rank 0 only): deleting ckpt/ starts a new run, whose
-    snapshots cannot be confused with the old one's."""
-    path = Path(ckpt_dir) / "run-id"
-    if not path.is_file():
-        atomic_write(path, lambda f: f.write(uuid.uuid4().hex.encode()))
-    return path.read_text().strip()
+def run_id(ckpt_dir, make=True):
+    """The run's id (rank 0 only), made with the run and bound to its checkpoint folder (its path and
+    inode): deleting ckpt/ starts a new run, and so does a copy of the run folder (a fork, to try a
+    variant), whose snapshots can then never be read or deleted as the original's. The file is this
+    user's alone: "<id> <folder>:<inode>". make=False (the preflight): the id if this folder has one of
+    its own, else None; nothing written."""
+    path, folder = Path(ckpt_dir) / "run-id", Path(ckpt_dir).resolve()
+    here = f"{folder}:{folder.stat().st_ino}"
+    try:
+        run, _, made_in = path.read_text().strip().partition(" ")
+    except (FileNotFoundError, NotADirectoryError):
+        run, made_in = "", ""
+    if not run or made_in not in ("", here):  # none yet, or made in another folder: this one is a copy
+        if not make:
+            return None
+        run = uuid.uuid4().hex
+    if made_in != here and make:  # (an id of an older version, made_in "": bound to the folder it is in)
+        atomic_write(path, lambda f: f.write(f"{run} {here}".encode()), mode=0o600)
+    return run
+
+
+def private_folder(folder):
+    """Make `folder` (mode 0700) unless it is there; then why it cannot hold this user's snapshots
+    (folder_problem), or None."""
+    try:
+        Path(folder).parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return f"--snapshot-dir {folder}: cannot make it ({e.strerror})"
+    return folder_problem(folder)
+
+
+def folder_problem(folder):
+    """Why the existing `folder` cannot hold this user's snapshots, or None. Another local user who made
+    it, or who can write in it, could read them, plant files to be restored as this run's, or plant
+    links that a write would follow; one who can write its parent (without the sticky bit that /dev/shm
+    has) could swap it for another."""
+    st, parent = os.lstat(folder), os.stat(Path(folder).parent)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
+                f"{st.st_uid}; the tier needs mode 700), so its snapshots could be another's: remove it, or pass another")
+    if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
+        return f"--snapshot-dir {folder}: anyone can write its parent (no sticky bit) and so replace it: pass another"
+    return None
+
+
+def open_checked(path, flags):
+    """os.open(path) for the tier: never through a link, a file made with mode 600, checked to be a
+    regular file of this user's that no one else can write (ValueError if not)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise ValueError(f"{Path(path).name} is not a file of this user's alone")
+    return fd
+
+
+def read_checked(path):
+    with os.fdopen(open_checked(path, os.O_RDONLY), "rb") as f:
+        return f.read()
+
+
+def map_file(path, nbytes, write):
+    """The file `path` as `nbytes` uint8 in memory. write: mapped shared (a write goes to the file), made if
+    absent and its bytes reserved first: tmpfs answers a write to a page it cannot back with SIGBUS,
+    which kills the process, where posix_fallocate raises OSError (ENOSPC). Else a private view of
+    a file that must have that size (ValueError if not)."""
+    fd = open_checked(path, os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
+    try:
+        if write:
+            os.posix_fallocate(fd, 0, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{Path(path).name} has the wrong size")
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED if write else mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def local_tensors(state):
@@ -182,20 +265,23 @@ def needed_bytes(params, world, local_world, sharded):
     return int(2 * STATE_BYTES_PER_PARAM * params * copies)
 
 
-def room_problem(folder, need):
-    """A line if `folder` is not this user's alone, or if its filesystem cannot take `need` more bytes,
-    counting as free the snapshots already there (a restart writes over its own)."""
-    folder = Path(folder)
-    if folder.exists() or folder.is_symlink():  # a stranger's folder could hold snapshots they wrote
-        st = folder.lstat()
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
-                    f"{st.st_uid}), so its snapshots could be another's: remove it, or pass another")
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), None)
-    if probe is None or not os.access(probe, os.W_OK):
-        return f"--snapshot-dir {folder}: not writable; pass another, or --snapshot-every 0 to go without the tier"
-    fs = os.statvfs(probe)
-    held = sum(p.stat().st_size for p in folder.glob("*-rank*-slot*")) if folder.is_dir() else 0
+def room_problem(folder, need, run=None):
+    """A line if `folder` is not this user's alone (folder_problem), or if its filesystem cannot take
+    `need` more bytes, counting as free the bytes that the snapshots of the run `run` already hold (a
+    restart writes over its own), not those of other runs."""
+    folder, instead = Path(folder), "pass another, or --snapshot-every 0 to go without the tier"
+    try:
+        if folder.exists() or folder.is_symlink():
+            problem = folder_problem(folder)
+            if problem:
+                return problem
+        probe = next((p for p in [folder, *folder.parents] if p.exists()), None)
+        if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
+            return f"--snapshot-dir {folder}: not a writable folder; {instead}"
+        fs = os.statvfs(probe)
+        held = sum(p.lstat().st_blocks * 512 for p in folder.glob(f"{run}-rank*")) if run and folder.is_dir() else 0
+    except OSError as e:  # a name too long, say
+        return f"--snapshot-dir {folder}: {e.strerror}; {instead}"
     free = fs.f_bavail * fs.f_frsize + held
     if free < need:
         return (f"--snapshot-dir {folder}: the memory tier needs {need / 2**20:.0f} MiB on this node, "
@@ -228,7 +314,6 @@ class Snapshots:
         self.folder, self.run, self.rank, self.group, self.every = Path(folder), run, rank, group, every
         self.model, self.optimizer, self.check, self.replica = model, optimizer, check, replica
         self.header = {"format": FORMAT, "run": run, **header}
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone: see room_problem
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self.copying = None  # the copy in flight
         self.failed = False  # a copy failed: no more snapshots on this rank
@@ -301,8 +386,7 @@ class Snapshots:
         record_path = self.path(self.rank, slot, ".json")
         record_path.unlink(missing_ok=True)  # from here until the rename, this slot is not a snapshot
         if slot not in self.maps:  # the group's ranks map it at once: its size in its name, none unlinks another's
-            path = self.path(self.group.start, slot, f"-{self.nbytes}.bin")
-            buf = torch.from_file(str(path), shared=True, size=self.nbytes, dtype=torch.uint8)
+            buf = map_file(self.path(self.group.start, slot, f"-{self.nbytes}.bin"), self.nbytes, write=True)
             self.maps[slot] = buf, views(buf, self.entries)
         buf, targets = self.maps[slot]
         (lo, hi), mine = self.part
@@ -312,9 +396,9 @@ class Snapshots:
                 crash_midway()
         record = {**self.header, "step": step, "slot": slot, "rank": self.rank, "rng": rng_to_json(rng),
                   "layout": self.entries, "nbytes": self.nbytes, "part": [lo, hi],
-                  "crc32": zlib.crc32(buf[lo:hi].numpy())}
+                  "crc32": checksum(buf[lo:hi], self.entries)}
         payload = json.dumps(record).encode()
-        atomic_write(record_path, lambda f: f.write(payload))  # JSON: nothing in it runs
+        atomic_write(record_path, lambda f: f.write(payload), mode=0o600)  # JSON: nothing in it runs
         return payload
 
     # ------------------------------------------------------------------------- read
@@ -324,7 +408,7 @@ class Snapshots:
         found = {}
         for slot in (0, 1):
             try:
-                record = json.loads(self.path(self.rank, slot, ".json").read_text())
+                record = json.loads(read_checked(self.path(self.rank, slot, ".json")))
             except (OSError, ValueError):  # absent, or not a record
                 continue
             if record.get("format") == FORMAT and record.get("run") == self.run:
@@ -350,16 +434,17 @@ class Snapshots:
         step, slot = record["step"], record["slot"]  # (--snapshot-every may have changed since)
         parts = []
         for r in self.group:
-            other = record if r == self.rank else json.loads(self.path(r, slot, ".json").read_text())
+            other = record if r == self.rank else json.loads(read_checked(self.path(r, slot, ".json")))
             if (other.get("run"), other.get("step"), other.get("layout")) != (self.run, step, record["layout"]):
                 raise ValueError(f"rank {r}'s slot {slot} holds another step")
             parts.append((*other["part"], other["crc32"]))
         path = self.path(self.group.start, slot, f"-{record['nbytes']}.bin")
-        if not path.is_file() or path.stat().st_size != record["nbytes"]:
-            raise ValueError(f"{path.name} is missing or has the wrong size")
-        buf = torch.from_file(str(path), shared=False, size=record["nbytes"], dtype=torch.uint8)
+        try:
+            buf = map_file(path, record["nbytes"], write=False)
+        except FileNotFoundError:
+            raise ValueError(f"{path.name} is missing") from None
         for lo, hi, crc in parts:
-            if zlib.crc32(buf[lo:hi].numpy()) != crc:
+            if checksum(buf[lo:hi], record["layout"]) != crc:
                 raise ValueError(f"bytes {lo}-{hi} of {path.name} do not match their checksum (damaged)")
         return views(buf, record["layout"]), record["layout"], rng_from_json(record["rng"])
 
@@ -452,6 +537,12 @@ class Snapshots:
             self.folder.rmdir()
         except OSError:  # another run's snapshots are still there, or another rank removed it first
             pass
+
+
+def checksum(part, entries):
+    """CRC32 of a part of a slot's bytes (uint8) and of the layout that gives them their meaning (names,
+    dtypes, shapes, offsets): a record whose offsets were changed must not restore other weights."""
+    return zlib.crc32(json.dumps(entries).encode(), zlib.crc32(part.numpy()))
 
 
 def part(entries, nbytes, index, count):

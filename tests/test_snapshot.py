@@ -1,8 +1,16 @@
 """The memory tier's files, in one process (a gloo group of one): a snapshot restores exactly, and one
 that is torn, damaged, another run's, another configuration's or another world size's is never loaded.
-The end-to-end crashes are in test_ddp.py and test_fsdp.py."""
+The tier's own folder and files keep another local user out (a real other uid), and a full tmpfs (a
+real mount) turns it off instead of killing the process. The end-to-end crashes are in test_ddp.py and
+test_fsdp.py."""
 import json
+import os
+import shutil
+import stat
+import subprocess
 import types
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +52,7 @@ def state_digest(model, optimizer):
 def snapshots(folder, model, optimizer, run="run-a", world=1, check=lambda record: None):
     """A rank's tier of `model` and `optimizer`, as open_tier makes it: one process that writes, or one
     that restarted and reads."""
+    assert snapshot.private_folder(folder) is None
     return snapshot.Snapshots(folder, run, 0, range(0, 1), 1, {"world_size": world, "config": CONFIG}, model,
                               optimizer, check)
 
@@ -57,6 +66,7 @@ def restored(folder, run="run-a", disk_step=None, check=lambda record: None):
     """(step restored or None, the fresh model and optimizer it was restored into), as a restarted
     process restores them."""
     model, optimizer = trained(seed=1, steps=0)
+    optimizer.param_groups[0]["weight_decay"] = 0.05  # a changed --weight-decay
     step = snapshots(folder, model, optimizer, run, check=check).resume(disk_step, torch.device("cpu"))
     return step, model, optimizer
 
@@ -72,6 +82,7 @@ def test_the_newest_snapshot_restores_the_model_optimizer_and_rng_exactly(tmp_pa
     step, model2, optimizer2 = restored(tmp_path)
     assert step == 3 and state_digest(model2, optimizer2) == want
     assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert optimizer2.param_groups[0]["weight_decay"] == 0.05  # the restoring run's setting, as from disk
     # Only what is not newer than the disk's newest checkpoint: the disk is loaded instead.
     assert restored(tmp_path, disk_step=3)[0] is None
 
@@ -101,6 +112,15 @@ def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_i
     step, model2, optimizer2 = restored(tmp_path)
     assert step == 4 and state_digest(model2, optimizer2) == at_four
 
+    record_path = snaps.path(0, snaps.slot(4), ".json")
+    intact = record_path.read_text()
+    swapped = json.loads(intact)
+    a, b = [entry for entry in swapped["layout"] if entry[2] == swapped["layout"][0][2]][:2]
+    a[3], b[3] = b[3], a[3]  # two tensors of one shape trade places: the offsets are in the checksum too
+    record_path.write_text(json.dumps(swapped))
+    assert restored(tmp_path)[0] is None and "do not match their checksum" in capsys.readouterr().out
+    record_path.write_text(intact)
+
     record = snaps.records()[4]
     path = snaps.path(0, snaps.slot(4), f"-{record['nbytes']}.bin")
     data = bytearray(path.read_bytes())
@@ -110,6 +130,80 @@ def test_a_torn_snapshot_leaves_the_other_slot_and_a_damaged_one_is_refused_by_i
     out = capsys.readouterr().out
     assert "do not match their checksum (damaged)" in out and "loading from disk" in out
     assert path.exists()  # refused, never deleted
+
+
+STRANGER = ["setpriv", "--reuid=54321", "--regid=54321", "--clear-groups", "--"]  # another local user
+
+
+@pytest.fixture
+def dev_shm():
+    """A fresh name in /dev/shm, where every local user can make files; removed after the test."""
+    path = Path("/dev/shm") / f"snapshots-test-{uuid.uuid4().hex}"
+    yield path
+    subprocess.run(["rm", "-rf", path], check=True)
+
+
+def test_another_user_can_neither_redirect_a_write_nor_plant_a_snapshot(tmp_path, dev_shm, capsys):
+    model, optimizer = trained(seed=0, steps=1)
+    victim = tmp_path / "victim"  # a file only the job's user may write
+    victim.write_bytes(b"the job user's own")
+    # The race no preflight closes: the room check finds no folder; another user then makes it, open to
+    # all, with links named like the slots (the run's id and the slot's size are easy to guess).
+    assert snapshot.room_problem(dev_shm, 1024) is None
+    nbytes = snapshot.layout(snapshot.local_tensors(get_state_dict(model, optimizer)))[1]
+    slots = [f"run-a-rank0-slot{s}{suffix}" for s in (0, 1) for suffix in (".json", f"-{nbytes}.bin")]
+    subprocess.run([*STRANGER, "sh", "-c", f'mkdir -m 777 "$0" && for s in {" ".join(slots)}; do '
+                    f'ln -s "$1" "$0/$s"; done', dev_shm, victim], check=True)
+    cfg = types.SimpleNamespace(snapshot_every=1, snapshot_dir=str(dev_shm), run_dir=str(tmp_path), hang_timeout_s=60)
+    assert snapshot.open_tier(cfg, tmp_path, model, optimizer, range(0, 1), ()) is None
+    assert capsys.readouterr().out.strip() == (
+        f"memory tier off: rank 0: --snapshot-dir {dev_shm}: not a folder of this user's alone (drwxrwxrwx, uid "
+        "54321; the tier needs mode 700), so its snapshots could be another's: remove it, or pass another")
+    assert snapshot.room_problem(dev_shm, 1024).startswith(f"--snapshot-dir {dev_shm}: not a folder of this user's")
+    # A link in the tier's own folder (mode 700) is not followed either: the copy fails, in one line.
+    mine = tmp_path / "mine"
+    snaps = snapshots(mine, model, optimizer)
+    for name in (f"run-a-rank0-slot1-{nbytes}.bin", "run-a-rank0-slot0.json"):
+        (mine / name).symlink_to(victim)
+    take(snaps, 1)
+    assert "memory snapshot failed ([Errno 40] Too many levels of symbolic links" in capsys.readouterr().out
+    assert snaps.records() == {} and victim.read_bytes() == b"the job user's own"
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    # And the run's id, which names its files, is the user's alone.
+    snapshot.run_id(tmp_path)
+    assert stat.S_IMODE((tmp_path / "run-id").stat().st_mode) == 0o600
+
+
+def test_a_full_tmpfs_turns_the_tier_off_in_one_line_and_its_last_snapshot_still_restores(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 0.8 MB of state: 193 pages a slot
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    nbytes = snapshot.layout(snapshot.local_tensors(get_state_dict(model, optimizer)))[1]
+    page = os.sysconf("SC_PAGE_SIZE")
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    # Room for one slot and its record, not two slots: a real tmpfs answers a write it cannot back
+    # with SIGBUS, which used to kill the process at every attempt.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(-(-nbytes // page) + 8) * page}", "tmpfs", mount], check=True)
+    try:
+        snaps = snapshots(mount / "shm", model, optimizer)
+        take(snaps, 1)
+        want = state_digest(model, optimizer)
+        take(snaps, 2)
+        assert snaps.failed and [line for line in capsys.readouterr().out.splitlines() if "memory" in line] == [
+            "rank 0: memory snapshot failed ([Errno 28] No space left on device): the memory tier is off on this "
+            "rank, the disk checkpoints go on"]
+        fresh = torch.nn.Linear(256, 256)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+        assert snapshots(mount / "shm", fresh, fresh_optimizer).resume(None, torch.device("cpu")) == 1
+        assert state_digest(fresh, fresh_optimizer) == want
+        # The room check counts as free only the bytes the run's own snapshots hold, not another run's.
+        assert snapshot.room_problem(mount / "shm", nbytes, "run-a") is None
+        assert "the memory tier needs" in snapshot.room_problem(mount / "shm", nbytes, "run-b")
+    finally:
+        subprocess.run(["umount", "--lazy", mount], check=True)
 
 
 def test_another_runs_configs_or_world_sizes_snapshots_are_never_loaded(tmp_path, capsys):
@@ -125,6 +219,23 @@ def test_another_runs_configs_or_world_sizes_snapshots_are_never_loaded(tmp_path
     take(snapshots(tmp_path, model, optimizer, world=2), 2)  # as if written by a job of 2 ranks
     assert restored(tmp_path)[0] == 1  # step 2's is another world size's: the older slot
     assert "written at world size 2, this job has 1" in capsys.readouterr().out
+
+
+def test_a_copied_run_folder_is_a_run_of_its_own_whose_snapshots_never_touch_the_originals(tmp_path):
+    # A fork: a run folder copied to try a variant, both on one --snapshot-dir.
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    original = snapshot.run_id(tmp_path / "run" / "ckpt")
+    shutil.copytree(tmp_path / "run", tmp_path / "fork")
+    fork = snapshot.run_id(tmp_path / "fork" / "ckpt")
+    assert fork != original and snapshot.run_id(tmp_path / "run" / "ckpt") == original
+    assert snapshot.run_id(tmp_path / "fork" / "ckpt", make=False) == fork  # and it stays the fork's
+    model, optimizer = trained(seed=0, steps=1)
+    take(snapshots(tmp_path / "shm", model, optimizer, run=original), 1)
+    forked = snapshots(tmp_path / "shm", model, optimizer, run=fork)
+    take(forked, 2)
+    assert sorted(forked.records()) == [2]  # not the original's step 1
+    forked.remove()
+    assert [p.name for p in (tmp_path / "shm").glob("*.json")] == [f"{original}-rank0-slot1.json"]
 
 
 def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp_path):
@@ -145,13 +256,17 @@ def test_the_tier_is_off_on_every_rank_when_one_has_no_dev_shm(tmp_path, monkeyp
     monkeypatch.setattr(snapshot, "default_dir", lambda run_dir: None)
     cfg = types.SimpleNamespace(snapshot_every=1, snapshot_dir="", run_dir=str(tmp_path))
     assert snapshot.open_tier(cfg, tmp_path, None, None, range(0, 1), ()) is None
-    assert "memory tier off: no /dev/shm on rank 0" in capsys.readouterr().out
+    assert "memory tier off: rank 0: no /dev/shm" in capsys.readouterr().out
 
 
 def test_room_is_checked_before_training(tmp_path):
     assert snapshot.room_problem(tmp_path, 1024) is None
     problem = snapshot.room_problem(tmp_path, 2**60)
     assert problem.startswith(f"--snapshot-dir {tmp_path}: the memory tier needs") and "--snapshot-every 0" in problem
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert "not a writable folder" in snapshot.room_problem(afile / "sub", 1024)  # one line, not a traceback
+    assert "File name too long" in snapshot.room_problem(tmp_path / ("x" * 300), 1024)
     # Two slots of 12 bytes a parameter: one copy per node for DDP, a rank's share of it for FSDP, and
     # on several nodes that of a rank of the node before (its replica).
     assert snapshot.needed_bytes(1000, 4, 4, sharded=False) == 24_000
