@@ -151,6 +151,12 @@ elif [ "${nnodes#*:}" != 1 ]; then
 fi
 [[ -z ${RDZV_CONF:-} || $RDZV_CONF =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]] ||
   bad "RDZV_CONF must be key=value pairs separated by commas, got '$RDZV_CONF'"
+for pair in ${RDZV_CONF:+${RDZV_CONF//,/ }}; do  # torch reads its timeouts and counts as numbers: a traceback otherwise
+  [[ ! ${pair%%=*} =~ (timeout|interval|attempt)$ || ${pair#*=} =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+    bad "RDZV_CONF: ${pair%%=*} must be a number, got '${pair#*=}'"
+done
+[[ -z ${SHUTDOWN_TIMEOUT:-} || $SHUTDOWN_TIMEOUT =~ ^[1-9][0-9]*$ ]] ||
+  bad "SHUTDOWN_TIMEOUT must be a whole number of seconds above 0, got '$SHUTDOWN_TIMEOUT'"
 python_with "${TRAIN[@]}"
 # The flags checked once (an elastic job at each size from MIN to MAX nodes), then torchrun with the settings that make
 # its restarts reliable: both in harness/launch.py, which the tests and runners launch through too.

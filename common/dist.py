@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.config import end_if_stopped, fail
+from common.config import fail
 
 
 def device_problems(choice):
@@ -43,7 +43,6 @@ def setup(device_choice="auto", timeout_s=300):
 
     Returns (rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
     """
-    end_if_stopped()
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -58,6 +57,8 @@ def setup(device_choice="auto", timeout_s=300):
     # whatever MASTER_ADDR says (pytorch issue 173909); rank 0 binds its socket here and hands it over.
     alone = local_world_size == world_size and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     store = loopback_store(rank, world_size, timeout) if alone else None
+    if local_world_size == world_size:
+        keep_on_loopback()
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                             **({"store": store, "rank": rank, "world_size": world_size} if store else {}))
     if device_choice == "auto" and device.type == "cpu" and rank == 0:
@@ -81,6 +82,14 @@ def loopback_store(rank, world_size, timeout):
         listener.listen(world_size)
         fd = listener.detach()
     return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, master_listen_fd=fd)
+
+
+def keep_on_loopback():
+    """A job on one node: gloo's sockets (and TensorPipe's, for rpc) on the loopback too. Each binds to the
+    address the host's name resolves to, which many hosts map to their network address."""
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+    for name in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        os.environ.setdefault(name, loopback)
 
 
 def _free_port():

@@ -5,7 +5,7 @@
     bash run.sh ddp 2 --steps 40 --save-every 10 --async-save          # saves written while training goes on
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (README)
-    python ddp/train.py                                # one process, no torchrun
+    python ddp/train.py --export model.pt              # one process, no torchrun; the final weights as one file
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
 optimizer, step, config and every rank's RNG state into one file, atomically; every rank resumes
@@ -31,15 +31,19 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
+from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import (BaseCheckpointer, PendingSave, atomic_save, atomic_write_json, checkpoints, cpu_copy,
-                               hold_run_dir, load_newest, newest_resume_problem, ownership_problems, param_digest,
-                               prune, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng, step_name)
-from common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems, parse_config
+                               hold_run_dir, keeping_settings, load_newest, newest_resume_problem, ownership_problems,
+                               param_digest, prune, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng,
+                               step_name)
+from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
+                           parse_config)
 from common.data import StepData, data_problems, eval_batches
 from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, node_ranks,
                          peer_loss_in_one_line, print0, restarts, setup, teardown)
@@ -86,6 +90,7 @@ class Config:
     async_save: bool = False  # copy each checkpoint to CPU memory (pinned on CUDA), then write it in a background thread while training goes on
     snapshot_every: int = 1  # copy the state into --snapshot-dir every N steps (0: off): a restart loses at most N
     snapshot_dir: str = ""  # the node's folder for them, on a tmpfs (default: one for the run in /dev/shm)
+    export: str = ""  # at the end, torch.save the model state dict to this file (for common.model.Transformer)
     crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
     crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
@@ -95,7 +100,7 @@ class Config:
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
-RANGES = {**SHARED_RANGES, "mtbf_h": POSITIVE, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
+RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
           "crash_in_snapshot": POSITIVE}
 
@@ -106,10 +111,11 @@ SAMPLE_FIELDS = ("seed", "batch_size", "data")
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES)
-                + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir)
+                + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
-                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data") if cfg.val_data else []))
+                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
+                   else []))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -262,11 +268,8 @@ class Checkpointer(BaseCheckpointer):
         if state is None:
             state = read_checkpoint(chosen[0])
         refuse_unfit(state, cfg, chosen[0], FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-        fused = self.optimizer.defaults["fused"]
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:  # the loaded groups carry the saving run's choice
-            group["fused"] = fused
+        keeping_settings(self.optimizer, lambda: self.optimizer.load_state_dict(state["optimizer"]))
         step = state["step"]
         if restore_rng(state["rng"], state["world_size"], cfg.seed, step, rank, world):
             print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
@@ -364,7 +367,13 @@ def main(cfg):
         checkpointer.finish()
         if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
             snapshots.remove()
-        if rank == 0:
+        if rank == 0 and cfg.export:
+            atomic_save(model.state_dict(), cfg.export)
+            print(f"exported the model state dict to {cfg.export}", flush=True)
+        if rank == 0 and not step_times and (run_dir / "summary.json").exists():  # a finished run launched again
+            print0(f"the run was finished at step {step}: nothing to train (a larger --steps trains on), "
+                   "its summary.json is kept")
+        elif rank == 0:
             summary = training_summary(
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),

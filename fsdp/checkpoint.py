@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.torch_version import TorchVersion
 
-from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, move_aside, prune,
-                               refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
+from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, keeping_settings,
+                               move_aside, prune, refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
 from common.config import fail
 from common.dist import PEER_LOST, agree, print0
 from common.model import SHAPE_FIELDS
@@ -152,8 +152,8 @@ class Checkpointer(BaseCheckpointer):
         # turn and move on together, so they never load different steps.
         candidates = [[path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None]
         dist.broadcast_object_list(candidates, src=0)
-        path, train_pt, load_s, unreadable = load_newest_everywhere(candidates[0], self.model, self.optimizer,
-                                                                    self.device, self.monitor)
+        path, train_pt, load_s, unreadable = keeping_settings(self.optimizer, lambda: load_newest_everywhere(
+            candidates[0], self.model, self.optimizer, self.device, self.monitor))
         if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load
             fail(f"no checkpoint in {self.ckpt_dir} loads (see above); move the damaged ones away or use another "
                  "--run-dir")
@@ -163,9 +163,6 @@ class Checkpointer(BaseCheckpointer):
             if restore_rng(train_pt["rng"], train_pt["world_size"], cfg.seed, step, rank, world):
                 print0(f"resharded from {train_pt['world_size']} to {world} ranks")
                 self.monitor.event("reshard", step=step, from_world_size=train_pt["world_size"], world_size=world)
-            fused = self.optimizer.defaults["fused"]
-            for group in self.optimizer.param_groups:  # the loaded groups carry the saving run's choice
-                group["fused"] = fused
             self.monitor.event("load", step=step, load_s=load_s, path=str(path), source="disk")
             print0(f"resuming from step {step}")
         else:

@@ -32,6 +32,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
+from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from common.checkpoint import (atomic_save, atomic_write_json, hold_run_dir, newest_resume_problem, ownership_problems,
                                param_digest, run_dir_problems)
-from common.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems, parse_config
+from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
+                           parse_config)
 from common.data import StepData, data_problems, eval_batches
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
                          setup, teardown)
@@ -104,7 +107,7 @@ class Config:
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
-RANGES = {**SHARED_RANGES, "mtbf_h": POSITIVE, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
+RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
           "save_threads": POSITIVE, "crash_in_staging": POSITIVE, "crash_in_snapshot": POSITIVE}
 
@@ -114,7 +117,8 @@ def check(cfg):
                 + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir)
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
-                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data") if cfg.val_data else []))
+                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
+                   else []))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -301,10 +305,13 @@ def main(cfg):
             snapshots.remove()
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            if cfg.export:
-                atomic_save(full_state, cfg.export)
-                print(f"exported the model state dict to {cfg.export}", flush=True)
+        if rank == 0 and cfg.export:
+            atomic_save(full_state, cfg.export)
+            print(f"exported the model state dict to {cfg.export}", flush=True)
+        if rank == 0 and not step_times and (run_dir / "summary.json").exists():  # a finished run launched again
+            print0(f"the run was finished at step {step}: nothing to train (a larger --steps trains on), "
+                   "its summary.json is kept")
+        elif rank == 0:
             summary = training_summary(
                 device, step_times, tokens_per_step, flops_per_step, strategy="fsdp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(full_state),

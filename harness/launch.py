@@ -76,9 +76,9 @@ PREEMPTED = 143  # common.dist.PREEMPTED, copied: common.dist imports torch, whi
 
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
              is_host=None, node_rank=None, rdzv_conf=None, grace_s=None):
-    """(command, environment) running `script [--run-dir run_dir] flags` under torchrun. The rendezvous
-    is on a free port of this machine, unless the agents of one job on several nodes share `endpoint`
-    (host:port) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (`rdzv_conf`, default
+    """(command, environment) running `script [--run-dir run_dir] flags` under torchrun. One node's
+    rendezvous is a private file, whatever `endpoint` says; the agents of one job on several nodes share
+    `endpoint` (host:port; default a free port of this machine) and `rdzv_id`. `nnodes` "MIN:MAX" makes an elastic job (`rdzv_conf`, default
     ELASTIC_RDZV_CONF). Agents on one machine all match the endpoint's host: is_host=True/False says
     which one holds the rendezvous store, which dies with it (a job survives the loss of any node but
     that one). `grace_s`: the seconds torchrun gives the workers between the signal it passes on and its
@@ -86,9 +86,9 @@ def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, en
     stop file (exit_code() reads it)."""
     conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
-    if str(nnodes) == "1" and endpoint in (None, "localhost:0"):
-        # One machine: the rendezvous in a private file, not in a TCP store, which torch opens on every
-        # interface whatever the endpoint (pytorch issue 173909); the workers' own store is on the
+    if str(nnodes) == "1":
+        # One machine, whatever the endpoint: the rendezvous in a private file, not in a TCP store, which
+        # torch opens on every interface (pytorch issue 173909); the workers' own store is on the
         # loopback (common.dist.loopback_store). The agent keeps the file across restarts.
         conf.append("store_type=file")
         endpoint = str(stop_folder() / f"rendezvous-{uuid.uuid4().hex}")
@@ -229,11 +229,12 @@ def load_script(path):
     return module
 
 
-def preflight(script, worlds, flags, local_world=None):
+def preflight(script, worlds, flags, local_world=None, job=None):
     """Check a job's flags once, before torchrun starts workers that would each refuse them: exit 2 with
     one line if the script's check(cfg) finds a problem at one of the world sizes `worlds` (an elastic
     job runs at any of them; `local_world` ranks on this node), or if a running job holds the run
-    folder. Returns the parsed config."""
+    folder, unless it is the job of several nodes whose rendezvous id is `job` (this node joins it).
+    Returns the parsed config."""
     from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
@@ -243,7 +244,7 @@ def preflight(script, worlds, flags, local_world=None):
         os.environ["WORLD_SIZE"] = str(world)  # the checks that depend on it (global batch) see the planned size
         os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)  # and the memory tier's room on this node
         cfg = parse_config(module.Config, module.check, flags, prog=script, presets=getattr(module, "PRESETS", None))
-    in_use = run_dir_in_use(cfg.run_dir)
+    in_use = run_dir_in_use(cfg.run_dir, job)
     if in_use:
         fail(in_use, prog=script)
     for name, value in outside.items():  # torchrun gets the environment as it was
@@ -267,13 +268,17 @@ def main(argv):
     if checked:  # an elastic job is checked at every world size from MIN to MAX nodes
         fewest, _, most = nnodes.partition(":")
         worlds = [int(nproc) * n for n in range(int(fewest), int(most or fewest) + 1)]
-        run_dir = preflight(script, worlds, flags, int(nproc)).run_dir
+        joining = os.environ.get("RDZV_ID") if nnodes != "1" else None  # a node of a running job passes
+        run_dir = preflight(script, worlds, flags, int(nproc), joining).run_dir
         host = endpoint.rpartition(":")[0]
         try:  # torchrun would retry an unknown host for minutes, then print a traceback
             socket.getaddrinfo(host, None)
         except socket.gaierror as e:
             print(f"run.sh: RDZV_ENDPOINT={endpoint}: cannot resolve {host} ({e.strerror})", file=sys.stderr)
             sys.exit(2)
+    if nnodes != "1":  # torch binds none of these to the endpoint's interface
+        print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
+              "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)
     grace_s = int(os.environ.get("SHUTDOWN_TIMEOUT") or (grace_for(run_dir) if run_dir else 30))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),

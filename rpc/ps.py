@@ -35,6 +35,7 @@ is applied twice (each update lists the (trainer, trainer step) it applied; the 
 the saved counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -48,17 +49,20 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
+from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, hold_run_dir, load_newest,
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, hold_run_dir, keeping_settings, load_newest,
                                newest_resume_problem, ownership_problems, param_digest, prune, refuse_unfit, rng_state,
                                run_dir_problems, seed_rng, set_rng_state, step_name)
-from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, end_if_stopped, fail,
+from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, data_problems
-from common.dist import (device_problems, exit_without_finalizing, pick_device, print0, refuse_unsafe_restarts, restarts)
+from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_store, pick_device, print0,
+                         refuse_unsafe_restarts, restarts)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -208,7 +212,7 @@ def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
     refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     # format and config: checked above; digest: reported below, beside the digest of what loaded.
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    keeping_settings(optimizer, lambda: optimizer.load_state_dict(state["optimizer"]))
     set_rng_state(state["rng"])
     lost = {}
     if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
@@ -254,9 +258,13 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
         "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
         "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
     }
-    atomic_write_json(summary, run_dir / "summary.json")
-    print0(f"done: step {server.version}, final loss {summary['final_loss']}, "
-           f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
+    if not step_times and (run_dir / "summary.json").exists():  # a finished run launched again
+        print0(f"the run was finished at step {server.version}: nothing to train (a larger --steps trains on), "
+               "its summary.json is kept")
+    else:
+        atomic_write_json(summary, run_dir / "summary.json")
+        print0(f"done: step {server.version}, final loss {summary['final_loss']}, "
+               f"param_digest {summary['param_digest']}, trainers lost {summary['lost_trainers']}")
     # Stay up until every live trainer has the last weights (a local shutdown could cut a reply
     # short), but never for a trainer that froze or died since.
     unconfirmed = server.wait_for_leaves()
@@ -333,18 +341,30 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
 
 
+def loopback_rendezvous(url, **_):
+    """init_rpc's rendezvous ("loopback://", rank and world size in the query) for a job on one node: the
+    store that rank 0 serves on 127.0.0.1:MASTER_PORT (common.dist.loopback_store)."""
+    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
+    rank, world = int(query["rank"]), int(query["world_size"])
+    yield loopback_store(rank, world, datetime.timedelta(seconds=300)), rank, world  # init_rpc sets its own timeout
+
+
 # ----------------------------------------------------------------------------- main
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each
     # restart); RPC is the only communication.
-    end_if_stopped()  # what setup() does in the other scripts
     refuse_unsafe_restarts()
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")  # torch's own init_rpc
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu") if rank == 0 else pick_device(cfg.device, int(os.environ["LOCAL_RANK"]),
                                                                 int(os.environ["LOCAL_WORLD_SIZE"]))
-    options = torch_rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=cfg.timeout_s)
+    one_node = int(os.environ["LOCAL_WORLD_SIZE"]) == world
+    if one_node:  # every listener on the loopback: the store (env:// opens one on every interface), gloo, TensorPipe
+        keep_on_loopback()
+        torch.distributed.register_rendezvous_handler("loopback", loopback_rendezvous)
+    options = torch_rpc.TensorPipeRpcBackendOptions(init_method="loopback://" if one_node else "env://",
+                                                    rpc_timeout=cfg.timeout_s)
     run_dir = Path(cfg.run_dir)
     hold_run_dir(run_dir, rank)  # the server holds its lock until the process exits
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")

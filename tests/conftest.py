@@ -4,6 +4,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,13 +59,15 @@ def metrics(run_dir, rank=0, event=None):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_snapshots_left_behind():
+def no_snapshots_left_behind(tmp_path_factory):
     """A job that stops for good (exit 2 or 3, a crash with no restart left) leaves its memory snapshots
-    for a restart that the tests never make: remove the folders this session's jobs made in /dev/shm."""
-    before = set(Path("/dev/shm").glob(f"snapshots-{os.getuid()}-*"))
+    for a restart that the tests never make: remove the folders in /dev/shm of this session's run
+    folders (another session's, or another job's, are not this one's to remove)."""
     yield
-    for folder in set(Path("/dev/shm").glob(f"snapshots-{os.getuid()}-*")) - before:
-        shutil.rmtree(folder, ignore_errors=True)
+    from common.snapshot import default_dir
+    for folder, _, _ in os.walk(tmp_path_factory.getbasetemp()):
+        if default_dir(folder):
+            shutil.rmtree(default_dir(folder), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -111,3 +114,50 @@ def refused(script, *argv, code=2):
     err = stderr.getvalue()
     assert exit_.value.code == code and err.count("\n") == 1, (exit_.value.code, err)
     return err
+
+
+# ----------------------------------------------------------------------------- what a job listens on
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # as /proc/net says
+
+
+def listening(root):
+    """{(address in /proc/net/tcp's hex, port)} that process `root` and all its descendants listen on."""
+    pids, parents = {root}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    while True:
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
+        if not more:
+            break
+        pids |= more
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
+            except OSError:
+                continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
+def named_on_the_network(cmd, folder):
+    """`cmd` in a mount namespace of its own (as root) whose /etc/hosts maps this host's name to its
+    network address, as many cloud hosts do (this machine and CI map it to 127.0.0.1): what binds to
+    the address the name resolves to is then seen listening beyond the loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 9))  # no packet is sent: the route picks the address
+        address = s.getsockname()[0]
+    assert not address.startswith("127."), "this machine has no network address to map its name to"
+    hosts = Path(folder) / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+    return ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *map(str, cmd)]

@@ -6,10 +6,10 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +21,8 @@ from common.config import parse_config
 from common.tokens import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
-from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun, wait_for_step
+from conftest import (DROPOUT, LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, run_sh, summary,
+                      torchrun, wait_for_step)
 
 SCRIPT = "ddp/train.py"
 
@@ -267,9 +268,20 @@ def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path, eight_step
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "seed=0 (this run: 5)" in proc.stderr and "--allow-changes" in proc.stderr
     assert files(tmp_path) == before
-    # ...while a new learning rate is applied and said (no saved schedule overrides it).
-    proc = single(tmp_path, *SMALL, "--steps", 10, "--lr", 0.01)
-    assert "resuming with changed settings: steps 8 -> 10, lr 0.003 -> 0.01" in proc.stdout
+    # ...while a new learning rate and weight decay are applied and said (the saved optimizer's
+    # settings do not override them: the step-10 checkpoint's are this run's).
+    proc = single(tmp_path, *SMALL, "--steps", 10, "--lr", 0.01, "--weight-decay", 0.05)
+    assert "resuming with changed settings: steps 8 -> 10, lr 0.003 -> 0.01, weight_decay 0.1 -> 0.05" in proc.stdout
+    saved = torch.load(checkpoints(tmp_path / "ckpt")[0][1], weights_only=True)["optimizer"]["param_groups"]
+    assert {group["weight_decay"] for group in saved} == {0.05}
+    # The finished run launched again: said, nothing trained, its summary kept as it was; the weights
+    # exported (--export) are the summary's.
+    summary_before = (tmp_path / "summary.json").read_bytes()
+    proc = single(tmp_path, *SMALL, "--steps", 10, "--export", tmp_path / "model.pt")
+    assert "the run was finished at step 10: nothing to train (a larger --steps trains on), its summary.json is " \
+        "kept" in proc.stdout and (tmp_path / "summary.json").read_bytes() == summary_before
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert checkpoint.param_digest(exported) == summary(tmp_path)["param_digest"]
     lrs = [e["lr"] for e in metrics(tmp_path, 0, "step") if e["step"] > 8]
     ddp = load_script(REPO / SCRIPT)
     cfg = parse_config(ddp.Config, argv=[*SMALL, "--steps", "10", "--lr", "0.01"])
@@ -314,6 +326,17 @@ def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_pa
     assert [line for line in proc.stderr.splitlines() if "error" in line or "Traceback" in line] == [
         "train.py: error: loss is nan at step 10: stopping without saving, the checkpoints of earlier steps are kept"]
     assert files(tmp_path) == before  # the last finite checkpoints, untouched; nothing of step 10 or later
+    # Under plain torchrun (a container's own process: Kubernetes) the workers exit 3 and leave the code
+    # in a file of the launch's; each restart finds it and ends before importing torch; torchrun exits 1.
+    plain = tmp_path / "plain"
+    in_copy(eight_steps, plain)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "3", REPO / "ddp/train.py", "--run-dir", plain, *SMALL, "--nan-at-step", "10"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 1 and re.search(r"restart \d: the job has stopped \(exit code 3\)", proc.stdout), \
+        proc.stdout[-3000:]
+    assert [e["restarts"] for e in metrics(plain, 0, "start")] == [0, 0] and files(plain) == before  # one trained
 
 
 def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path, eight_steps):
@@ -347,39 +370,6 @@ def test_trains_on_a_text_file_or_a_token_file(tmp_path, kind):
     assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < math.log(vocab)
 
 
-LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # as /proc/net says
-
-
-def listening(root):
-    """{(address in /proc/net/tcp's hex, port)} that process `root` and all its descendants listen on."""
-    pids, parents = {root}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    while True:
-        more = {pid for pid, parent in parents.items() if parent in pids} - pids
-        if not more:
-            break
-        pids |= more
-    inodes = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
-            except OSError:
-                continue
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                address, port = fields[1].split(":")
-                found.add((address, int(port, 16)))
-    return found
-
-
 def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path):
     # A preemption as Slurm's --signal=USR1@SECONDS makes it: run.sh gets SIGUSR1, passes it to torchrun,
     # whose agent passes it to the workers (--signals-to-handle), which finish their step, agree, save it
@@ -388,10 +378,13 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     reference = tmp_path / "reference"
     torchrun(SCRIPT, 2, reference, *flags)
     run_dir = tmp_path / "preempted"
-    proc = launch.start(["bash", "run.sh", "ddp", "2", "--run-dir", str(run_dir), *map(str, flags)], dict(os.environ),
+    # A job on one machine listens on the loopback only (its stores, gloo): nobody else can reach it,
+    # even with a rendezvous endpoint (the README's Slurm file sets one) and a host name that resolves
+    # to the network address.
+    cmd = named_on_the_network(["bash", "run.sh", "ddp", "2", "--run-dir", run_dir, *flags], tmp_path)
+    proc = launch.start(cmd, {**os.environ, "RDZV_ENDPOINT": f"{socket.gethostname()}:{free_port()}"},
                         tmp_path / "preempted.log")
     assert wait_for_step(run_dir, 20, proc), "the job ended before step 20: the signal never fired"
-    # A job on one machine listens on the loopback only (its stores, gloo): nobody else can reach it.
     sockets = listening(proc.pid)
     assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     proc.send_signal(signal.SIGUSR1)

@@ -15,7 +15,7 @@ from common.monitor import Monitor
 from harness import launch
 from harness.launch import load_script, workers
 from harness.metrics import Watch, final_history
-from conftest import REPO, SMALL, metrics, refused, summary, torchrun
+from conftest import LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, summary, torchrun
 from rpc.server import ParameterServer, lr_at
 
 ps = load_script(REPO / "rpc" / "ps.py")
@@ -50,9 +50,11 @@ def test_crash_resumes_to_the_same_weights(tmp_path, reference, flags, crash, re
 
 
 # ----------------------------------------------------------------------------- lost trainers
-def start_job(run_dir, nproc, *flags):
-    """The job under torchrun, in the background, once its worker processes exist: (process, {rank: pid})."""
-    proc = launch.start(*launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags]), log=f"{run_dir}.log")
+def start_job(run_dir, nproc, *flags, wrap=lambda cmd: cmd):
+    """The job under torchrun (its command line through `wrap`), in the background, once its worker
+    processes exist: (process, {rank: pid})."""
+    cmd, env = launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags])
+    proc = launch.start(wrap(cmd), env, log=f"{run_dir}.log")
     pids = {}
     while len(pids) < nproc and proc.poll() is None:
         pids = workers(proc.pid, attempt=0)
@@ -75,9 +77,13 @@ def test_killed_trainer_restarts_the_job(tmp_path, reference, kill_at_end):
     # A trainer killed for real: torchrun sees its worker die and restarts the group (long before the
     # server would drop it), and the server resumes from its checkpoint with every trainer.
     run_dir = tmp_path / "run"
-    proc, pids = start_job(run_dir, 3)
+    proc, pids = start_job(run_dir, 3, wrap=lambda cmd: named_on_the_network(cmd, tmp_path))
     kill_at_end(proc)
     assert Watch(run_dir).first("step", proc, time.time() + 120, min_step=6)
+    # On one machine every listener (the store, TensorPipe's, gloo's) is on the loopback, though the
+    # host's name resolves to its network address.
+    sockets = listening(proc.pid)
+    assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     os.kill(pids[2], signal.SIGKILL)
     code, output, _ = launch.finish(proc, time.time() + 120)
     assert launch.problems(run_dir, code, output, restarts=1) == [], output[-4000:]

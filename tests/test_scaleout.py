@@ -12,9 +12,9 @@ import uuid
 import pytest
 
 from common import snapshot
-from harness.launch import finish, free_port, kill_node, start, torchrun as torchrun_command
+from harness.launch import ELASTIC_RDZV_CONF, finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import Watch, phases
-from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun, wait_for_step
+from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
 
 
 def nodes(script, nproc, run_dir, flags, nnodes):
@@ -27,6 +27,7 @@ def nodes(script, nproc, run_dir, flags, nnodes):
         return start(*torchrun_command(script, nproc, run_dir, [*flags, *extra], nnodes=nnodes, endpoint=endpoint,
                                        rdzv_id=rdzv_id, is_host=node == 0, env={"OMP_NUM_THREADS": "1"}),
                      log=log or f"{run_dir}-node{node}.log")
+    start_node.endpoint, start_node.rdzv_id = endpoint, rdzv_id
     return start_node
 
 
@@ -127,11 +128,19 @@ def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
     # admits it only in a new rendezvous round: the first node's agent sees it waiting, stops its
     # workers with SIGTERM (uncounted: a membership change, not a failure), they save the step in
     # progress, and both nodes go on with 4 ranks from that step. Then both are preempted.
-    run = tmp_path / "grow"
-    start_node = nodes("fsdp/train.py", 2, run, [*SMALL, "--steps", 10_000, "--save-every", 10_000], nnodes="1:2")
+    run, flags = tmp_path / "grow", [*SMALL, "--steps", 10_000, "--save-every", 10_000]
+    start_node = nodes("fsdp/train.py", 2, run, flags, nnodes="1:2")
     first = start_node(0)
     assert wait_for_step(run, 5, first), "the job ended before step 5"
-    second, added_at = start_node(1), time.time()
+    # The second node starts through run.sh, as a user would: the run folder's lock is held by the job,
+    # which a node of it (its RDZV_ID) joins, and another job may not.
+    env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": start_node.endpoint, "OMP_NUM_THREADS": "1",
+           "RDZV_CONF": f"{ELASTIC_RDZV_CONF},is_host=0"}  # (is_host: both "nodes" match the endpoint's host)
+    other = run_sh("fsdp", 2, "--run-dir", run, *flags, env={**env, "RDZV_ID": "another-job"})
+    assert other.returncode == 2 and "is in use by another job" in other.stderr, other.stderr
+    second = start(["bash", "run.sh", "fsdp", "2", "--run-dir", str(run), *map(str, flags)],
+                   {**env, "RDZV_ID": start_node.rdzv_id}, log=f"{run}-node1.log")
+    added_at = time.time()
     watch, deadline = Watch(run), added_at + 120  # rank 0's first start at 4 ranks, then a step after it
     four = watch.until(lambda e: e["rank"] == 0 and e["event"] == "start" and e["world_size"] == 4, first, deadline)
     trained_at_4 = four and watch.until(lambda e: e["rank"] == 0 and e["event"] == "step" and e["time"] > four["time"],
