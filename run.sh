@@ -16,6 +16,10 @@ set -euo pipefail
 # so that a relative --run-dir, --data, --export or --out means what it says there.
 caller=$PWD
 [[ ${PYTHON:-} != */* || $PYTHON == /* ]] || PYTHON=$caller/$PYTHON
+if [ -n "${PYTHON:-}" ] && ! command -v "$PYTHON" &>/dev/null; then
+  echo "run.sh: PYTHON=$PYTHON: no such program" >&2
+  exit 2
+fi
 cd "$(dirname "$0")"
 here=$PWD
 

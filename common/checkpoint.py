@@ -406,6 +406,9 @@ def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_f
             return f"{locked}: cannot read it (permission denied): fix its permissions, nothing was moved"
         try:
             saved = read_saved(path)
+        except (IsADirectoryError, NotADirectoryError):  # a folder where this script writes a file, or the reverse
+            return (f"{path}: another script's checkpoint (a {'folder: fsdp' if path.is_dir() else 'file: ddp or rpc'}"
+                    "'s): use another --run-dir")
         except Exception:
             continue
         problem, _ = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)

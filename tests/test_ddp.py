@@ -50,9 +50,10 @@ def in_copy(run_dir, tmp_path):
 
 
 def files(run_dir):
-    """{path: sha256} of every checkpoint file in the run folder."""
+    """{path: sha256} of every file in the run folder's ckpt/ but run-id (a copied run folder is a run of
+    its own, whose first launch gives it an id)."""
     return {p.relative_to(run_dir): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in (run_dir / "ckpt").rglob("*") if p.is_file()}
+            for p in (run_dir / "ckpt").rglob("*") if p.is_file() and p.name != "run-id"}
 
 
 def docstring_launch_line():
@@ -89,12 +90,13 @@ def test_launch_without_the_rendezvous_variable_is_refused_in_one_line(tmp_path)
     command = command.replace("--nproc-per-node 2 --max-restarts 3", "--nproc-per-node 1 --max-restarts 1")
     command = command.replace("localhost:0", f"localhost:{free_port()}")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+    env.update(PATH=f"{os.path.dirname(sys.executable)}:{env['PATH']}", TMPDIR=str(tmp_path))  # (the stop's file)
     proc = subprocess.run(["bash", "-c", f"{command} --run-dir {tmp_path} {' '.join(SMALL)}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
-    # One attempt, one line: a worker's deliberate stop exits 0, the one status torchrun does not retry.
-    assert proc.returncode == 0 and "ChildFailedError" not in proc.stderr, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line or "Traceback" in line]
+    # One attempt, one line: the worker's stop exits 2; torchrun's restart finds the stop and ends before
+    # importing torch; torchrun exits 1 (and prints its failure report), a stop, not a success.
+    assert proc.returncode == 1 and "restart 1: the job has stopped (exit code 2)" in proc.stdout, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "train.py: error:" in line]
     assert len(errors) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in errors[0], proc.stderr[-2000:]
     assert not checkpoints(tmp_path / "ckpt") and not (tmp_path / "summary.json").exists()
 
@@ -267,6 +269,8 @@ def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path, eight_step
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--seed", 5)  # other samples: refused too...
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "seed=0 (this run: 5)" in proc.stderr and "--allow-changes" in proc.stderr
+    proc = run_sh("fsdp", 2, "--run-dir", tmp_path, *SMALL)  # ...and another script's run folder, before it starts
+    assert proc.returncode == 2 and "another script's checkpoint (a file: ddp or rpc's)" in proc.stderr
     assert files(tmp_path) == before
     # ...while a new learning rate and weight decay are applied and said (the saved optimizer's
     # settings do not override them: the step-10 checkpoint's are this run's).

@@ -76,6 +76,7 @@ def test_relative_paths_mean_what_they_mean_where_the_user_stands(tmp_path):
     ({"RDZV_CONF": "garbage"}, "RDZV_CONF must be key=value pairs separated by commas, got 'garbage'"),
     ({"RDZV_CONF": "join_timeout=abc"}, "RDZV_CONF: join_timeout must be a number, got 'abc'"),
     ({"SHUTDOWN_TIMEOUT": "-5"}, "SHUTDOWN_TIMEOUT must be a whole number of seconds above 0, got '-5'"),
+    ({"PYTHON": "/no/python"}, "PYTHON=/no/python: no such program"),
     # Checked by harness/launch.py, before torchrun (which retries an unknown host for minutes):
     ({"NNODES": "2", "RDZV_ENDPOINT": "nohost.invalid:29500"},
      "RDZV_ENDPOINT=nohost.invalid:29500: cannot resolve nohost.invalid ("),  # (the resolver's words)
