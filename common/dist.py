@@ -84,6 +84,14 @@ def loopback_store(rank, world_size, timeout):
     return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, master_listen_fd=fd)
 
 
+def loopback_rendezvous(url, **_):
+    """A rendezvous handler ("loopback://", rank and world size in the query) for what takes an init
+    method, not a store (init_rpc: rpc/ps.py), on one node: loopback_store, its timeout then set by the caller."""
+    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
+    rank, world = int(query["rank"]), int(query["world_size"])
+    yield loopback_store(rank, world, datetime.timedelta(seconds=300)), rank, world
+
+
 def keep_on_loopback():
     """A job on one node: gloo's sockets (and TensorPipe's, for rpc) on the loopback too. Each binds to the
     address the host's name resolves to, which many hosts map to their network address."""

@@ -35,7 +35,6 @@ is applied twice (each update lists the (trainer, trainer step) it applied; the 
 the saved counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -61,8 +60,8 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, hold
 from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, data_problems
-from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_store, pick_device, print0,
-                         refuse_unsafe_restarts, restarts)
+from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_rendezvous, pick_device,
+                         print0, refuse_unsafe_restarts, restarts)
 from common.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -339,14 +338,6 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
     elif reply.step >= cfg.steps:  # a server gone before its answer left has heard it: nothing is lost
         call_server(ParameterServer.leave_remote, rank, timeout_s=cfg.timeout_s)
-
-
-def loopback_rendezvous(url, **_):
-    """init_rpc's rendezvous ("loopback://", rank and world size in the query) for a job on one node: the
-    store that rank 0 serves on 127.0.0.1:MASTER_PORT (common.dist.loopback_store)."""
-    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
-    rank, world = int(query["rank"]), int(query["world_size"])
-    yield loopback_store(rank, world, datetime.timedelta(seconds=300)), rank, world  # init_rpc sets its own timeout
 
 
 # ----------------------------------------------------------------------------- main
