@@ -239,10 +239,12 @@ def run_dir_in_use(run_dir, job=None):
 
 
 def writable(folder, create=True):
-    """None if files can be created in `folder` (made if missing and `create`), else why not."""
+    """None if files can be created in `folder`, else why not. A missing folder that the job will make
+    (`create`) is judged by the nearest one above it: checking makes nothing, so that a refused launch
+    leaves no folder behind."""
     try:
         if create:
-            os.makedirs(folder, exist_ok=True)
+            folder = next(p for p in [Path(folder), *Path(folder).parents] if p.exists())
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:

@@ -60,7 +60,7 @@ def test_relative_paths_mean_what_they_mean_where_the_user_stands(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", "run", "--data", "fox.txt",
                            "--vocab", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--data fox.txt is read as bytes" in proc.stderr, proc.stderr
-    assert proc.stderr.count("\n") == 1 and not (REPO / "run").exists()
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "run").exists()  # refused: no folder left behind
 
 
 @pytest.mark.parametrize("env, line", [
