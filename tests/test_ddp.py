@@ -292,8 +292,14 @@ def test_incompatible_checkpoint_is_refused_and_left_intact(tmp_path, eight_step
     assert lrs == [ddp.lr_at(cfg, 8), ddp.lr_at(cfg, 9)]
 
 
-def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
-    lock = lock_run_dir(tmp_path)  # what rank 0 of a running job holds
+def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    lock = lock_run_dir(tmp_path)  # what rank 0 of a running job (rendezvous id job42) holds
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    # A node joining a job of several nodes passes the preflight with the job's id (test_scaleout.py joins
+    # one through run.sh); another job does not.
+    assert checkpoint.run_dir_in_use(tmp_path, "job42") is None
+    assert "is in use by another job" in checkpoint.run_dir_in_use(tmp_path, "job43")
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL)  # refused before torchrun starts
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is in use by another job" in proc.stderr
     proc = single(tmp_path, *SMALL, code=2)  # and by the worker itself, when launched some other way
@@ -334,7 +340,7 @@ def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_pa
     # in a file of the launch's; each restart finds it and ends before importing torch; torchrun exits 1.
     plain = tmp_path / "plain"
     in_copy(eight_steps, plain)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                            "--max-restarts", "3", REPO / "ddp/train.py", "--run-dir", plain, *SMALL, "--nan-at-step", "10"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp_path)})

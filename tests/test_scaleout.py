@@ -14,7 +14,7 @@ import pytest
 from common import snapshot
 from harness.launch import ELASTIC_RDZV_CONF, finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import Watch, phases
-from conftest import DROPOUT, REPO, SMALL, metrics, run_sh, summary, torchrun, wait_for_step
+from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun, wait_for_step
 
 
 def nodes(script, nproc, run_dir, flags, nnodes):
@@ -133,13 +133,10 @@ def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
     first = start_node(0)
     assert wait_for_step(run, 5, first), "the job ended before step 5"
     # The second node starts through run.sh, as a user would: the run folder's lock is held by the job,
-    # which a node of it (its RDZV_ID) joins, and another job may not.
-    env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": start_node.endpoint, "OMP_NUM_THREADS": "1",
-           "RDZV_CONF": f"{ELASTIC_RDZV_CONF},is_host=0"}  # (is_host: both "nodes" match the endpoint's host)
-    other = run_sh("fsdp", 2, "--run-dir", run, *flags, env={**env, "RDZV_ID": "another-job"})
-    assert other.returncode == 2 and "is in use by another job" in other.stderr, other.stderr
-    second = start(["bash", "run.sh", "fsdp", "2", "--run-dir", str(run), *map(str, flags)],
-                   {**env, "RDZV_ID": start_node.rdzv_id}, log=f"{run}-node1.log")
+    # which a node of it (its RDZV_ID) joins (another job may not: test_ddp.py).
+    env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": start_node.endpoint, "RDZV_ID": start_node.rdzv_id,
+           "OMP_NUM_THREADS": "1", "RDZV_CONF": f"{ELASTIC_RDZV_CONF},is_host=0"}  # (both "nodes" match the host)
+    second = start(["bash", "run.sh", "fsdp", "2", "--run-dir", str(run), *map(str, flags)], env, log=f"{run}-node1.log")
     added_at = time.time()
     watch, deadline = Watch(run), added_at + 120  # rank 0's first start at 4 ranks, then a step after it
     four = watch.until(lambda e: e["rank"] == 0 and e["event"] == "start" and e["world_size"] == 4, first, deadline)
