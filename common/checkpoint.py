@@ -554,7 +554,7 @@ class BaseCheckpointer:
         if step is None:
             step = self.load()
         self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
-                           restarts=restarts(), world_size=self.world)
+                           restarts=restarts(), world_size=self.world, pid=os.getpid())
         return step
 
     def load_from_memory(self):

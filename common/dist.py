@@ -188,7 +188,7 @@ def exit_without_finalizing():
 # What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
 # answers by restarting the workers.
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-             "Timed out", "timed out")
+             "Timed out", "timed out", "timeout caused pair closure")
 
 
 @contextlib.contextmanager

@@ -13,8 +13,9 @@ import sys
 
 
 def first_attempt():
-    """True in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT is 0 or unset)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    """True in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT is 0 or unset) and, with --survivors,
+    in the first generation of the group (a spare that takes a dead rank's place is not faulted again)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("FT_GENERATION", "0") == "0"
 
 
 def crash(reason):

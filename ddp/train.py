@@ -97,12 +97,14 @@ class Config:
     crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+    survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
+    spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "crash_in_snapshot": POSITIVE}
+          "crash_in_snapshot": POSITIVE, "spares": NON_NEGATIVE}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -116,6 +118,7 @@ def check(cfg):
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
                    else []))
+    problems += (["--spares needs --survivors"] if cfg.spares and not cfg.survivors else [])
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -280,7 +283,16 @@ class Checkpointer(BaseCheckpointer):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    rank, world, device = setup(cfg.device, cfg.timeout_s)
+    team = None  # the survivors tier (common/survivors.py): a spare waits in join() for a dead rank's place
+    if cfg.survivors:
+        from common.survivors import Team
+        team = Team(cfg.timeout_s, cfg.hang_timeout_s)
+        joined = team.join(cfg.device)
+        if joined is None:  # a spare at the end of the job
+            exit_without_finalizing()
+        rank, world, device = joined
+    else:
+        rank, world, device = setup(cfg.device, cfg.timeout_s)
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
@@ -317,10 +329,11 @@ def main(cfg):
         # --------------------------------------------------------------------- resume
         # The memory tier (common/snapshot.py): every rank's RNG, and one copy per node of the model and
         # optimizer, which the node's ranks copy a part each; each rank's record also kept by the next node.
-        snapshots = None
-        if cfg.snapshot_every:
+        def memory_tier():  # opened at the start, and again over a re-formed group (--survivors)
             from common.snapshot import open_tier
-            snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
+            return open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
+
+        snapshots = memory_tier() if cfg.snapshot_every else None
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
         step_times = []
         checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times,
@@ -332,39 +345,47 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         while step < cfg.steps:
-            t0 = time.perf_counter()
-            # ----------------------------------------------------------------- TRAINING SECTION BEGIN
-            optimizer.zero_grad(set_to_none=True)
-            loss = forward_backward(ddp_model, data.micro_batches(step, rank, world, cfg.grad_accum), device, bf16)
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()  # (the memory tier's hook first waits for its copy of the weights)
-            # ----------------------------------------------------------------- TRAINING SECTION END
-            # Everything that follows watches the step, and saves it.
-            if faults:  # --nan-at-step: a diverged loss
-                loss = faults.poison_loss(loss, step)
-            step += 1
-            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
-            if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
-                checkpointer.finish()  # an earlier step's save in flight, of finite weights: let it commit
-                fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
-                     "steps are kept", code=3)
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
-                         mfu=mfu(flops_per_step, dt, device), **checkpointer.in_flight(t0))
-            guard.shorten_timeout(step_times)
-            if faults:  # --crash-at-step: this rank dies now, before the step is saved
-                faults.after_step(step)
-            if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
-                monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
-            checkpointer.save(step, stop=stop)
+            try:
+                t0 = time.perf_counter()
+                # ----------------------------------------------------------------- TRAINING SECTION BEGIN
+                optimizer.zero_grad(set_to_none=True)
+                loss = forward_backward(ddp_model, data.micro_batches(step, rank, world, cfg.grad_accum), device, bf16)
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()  # (the memory tier's hook first waits for its copy of the weights)
+                # ----------------------------------------------------------------- TRAINING SECTION END
+                # Everything that follows watches the step, and saves it.
+                if faults:  # --nan-at-step: a diverged loss
+                    loss = faults.poison_loss(loss, step)
+                step += 1
+                mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
+                if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
+                    checkpointer.finish()  # an earlier step's save in flight, of finite weights: let it commit
+                    fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
+                         "steps are kept", code=3)
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer), comm_s=comm.pop(),
+                             mfu=mfu(flops_per_step, dt, device), **checkpointer.in_flight(t0))
+                guard.shorten_timeout(step_times)
+                if faults:  # --crash-at-step: this rank dies now, before the step is saved
+                    faults.after_step(step)
+                if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
+                    monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
+                checkpointer.save(step, stop=stop)
+            except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
+                if team is None or not team.lost_peer(error):
+                    raise
+                from common.survivors import recover
+                step = recover(team, checkpointer, memory_tier, device, step)  # the newest step all ranks hold
+                ddp_model, comm = wrap(model, device)  # a reducer of the new group, its buckets as at the start
 
         # --------------------------------------------------------------------- teardown
         checkpointer.finish()
+        snapshots = checkpointer.snapshots  # (--survivors: reopened at each recovery)
         if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
             snapshots.remove()
         if rank == 0 and cfg.export:
@@ -379,7 +400,7 @@ def main(cfg):
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
                 state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save,
-                snapshot_bytes=snapshots.nbytes if snapshots else None)
+                snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()

@@ -255,6 +255,42 @@ def preflight(script, worlds, flags, local_world=None, job=None):
     return cfg
 
 
+def survivors_layout(flags):
+    """(--survivors, --spares, --hang-timeout-s) of a job's flags, read without importing its script."""
+    import argparse
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--survivors", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--spares", type=int, default=0)
+    parser.add_argument("--hang-timeout-s", type=float, default=15.0)
+    known, _ = parser.parse_known_args(flags)
+    return known.survivors, known.spares, known.hang_timeout_s
+
+
+def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3):
+    """(command, environment) of a job in which survivors keep running (--survivors): this module's
+    main, which supervises one process per rank and `spares` more (common/survivors.py)."""
+    cmd = [sys.executable, "-m", "harness.launch", script, str(nproc), "--run-dir", str(run_dir), "--survivors",
+           "--spares", str(spares), *map(str, flags)]
+    stop_file = stop_folder() / f"stop-{uuid.uuid4().hex}"
+    return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file)}
+
+
+def supervise(script, nproc, flags, spares, fence_s):
+    """Run a --survivors job on this node (common/survivors.py's Supervisor) and exit with its status."""
+    from common.survivors import Supervisor
+    if (os.environ.get("NNODES") or "1") != "1":
+        print("run.sh: --survivors runs on one node (NNODES=1); a job of several nodes restarts every process "
+              "after a failure", file=sys.stderr)
+        sys.exit(2)
+    env = {**os.environ, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}
+    supervisor = Supervisor([sys.executable, str(REPO / script), *map(str, flags)], env, nproc, spares,
+                            int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE])
+    print(f"run.sh: survivors keep running: {nproc} processes and {spares} spares, each replaced alone",
+          file=sys.stderr, flush=True)
+    code = exit_code(supervisor.run(), env)
+    sys.exit(PREEMPTED if supervisor.signalled and code not in (0, 2, 3) else code)
+
+
 def main(argv):
     """[--preflight] SCRIPT NPROC [flags]: run torchrun with the settings of the environment (see the
     docstring above) and exit with its status, or with a deliberate stop's code; run.sh has checked
@@ -279,6 +315,9 @@ def main(argv):
     if nnodes != "1":  # torch binds none of these to the endpoint's interface
         print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
               "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)
+    survivors, spares, fence_s = survivors_layout(flags)
+    if survivors:
+        supervise(script, int(nproc), flags, spares, fence_s)
     grace_s = int(os.environ.get("SHUTDOWN_TIMEOUT") or (grace_for(run_dir) if run_dir else 30))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),

@@ -1,0 +1,330 @@
+"""The survivors tier: a dead rank is replaced alone, by a spare when one waits; the other ranks keep
+their processes, their memory and their place, re-form the process group with the newcomer, and go on
+from the newest step that every rank can restore (the memory tier). Imported only in this mode
+(--survivors, --spares): delete this module and those lines of a script to go without it.
+
+torchrun's agent stops all of its workers when one fails, and with its c10d rendezvous every node
+restarts too. Here the launcher (harness/launch.py) runs `supervise` instead of torchrun: one process
+per rank plus --spares waiting ones, each restarted alone when it dies, and the job's store, which
+outlives every worker (bound to the loopback: this mode runs on one node). The store holds:
+    gen                 the generation: the supervisor adds one for each rank it finds dead
+    vacancy/<n>         "<rank> <gen>": the n-th rank left by a dead process (count: vacancies)
+    claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch)
+    g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
+    g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
+    end                 the job is over: spares leave
+Each generation's process group lives under its own prefix of the store, so no key of a failed one
+is ever read again.
+
+A survivor that sees a collective fail (Team.lost_peer) calls Team.reform: it destroys its group,
+waits for the supervisor's next generation, forms it with the newcomer, and the script then restores
+the newest step every rank holds, as a restart would, and redoes the steps after it. A frozen rank
+never dies: once a survivor has reported a loss, the supervisor kills whichever rank has not reported
+one within --hang-timeout-s (a fence: a stale process can never come back), and replaces it.
+"""
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
+POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
+
+
+# ----------------------------------------------------------------------------- a worker's side
+class Team:
+    """This process's place in the job: a rank it holds, or a spare's wait for one; the generations it
+    forms with the others."""
+
+    def __init__(self, timeout_s, hang_timeout_s):
+        import torch.distributed as dist
+        host, port = os.environ[STORE].rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])
+        self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
+        self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
+
+    def join(self, device_choice):
+        """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
+        form the generation, and set the environment the scripts read (RANK, WORLD_SIZE, ...). Returns
+        (rank, world_size, device); None if the job ended while this process waited (a spare)."""
+        from common.dist import keep_on_loopback, pick_device
+        keep_on_loopback()
+        first = self.slot < self.world and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first:
+            self.rank = self.slot
+        else:
+            warm_up()  # what every new process pays once, paid before it is needed
+            self.rank = self.take_vacancy()
+            if self.rank is None:
+                return None
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank),
+                          LOCAL_WORLD_SIZE=str(self.world))
+        device = pick_device(device_choice, self.slot, self.slots)  # a GPU per process, spares' included
+        self.form(0 if first else None, device)
+        return self.rank, self.world, device
+
+    def take_vacancy(self):
+        """The rank of the oldest vacancy this slot wins, waiting for one; None once the job has ended."""
+        while True:
+            count = self.store.add("vacancies", 0)
+            while self.seen < count:
+                self.seen += 1
+                me = f"{self.slot} {os.getpid()}"  # this process, not its slot: a restarted one is another
+                if self.store.compare_set(f"claim/{self.seen}", "", me).decode() == me:
+                    rank, _ = self.store.get(f"vacancy/{self.seen}").decode().split()
+                    print(f"slot {self.slot} (pid {os.getpid()}): takes rank {rank}", flush=True)
+                    return int(rank)
+            if self.store.check(["end"]):
+                return None
+            time.sleep(POLL_S)
+
+    def form(self, gen, device):
+        """Form generation `gen` (None: the newest) with every rank: say this rank is ready, wait until all
+        are, then init_process_group over the generation's prefix of the store. A newer generation met
+        while waiting (another death) is joined instead."""
+        import torch.distributed as dist
+        deadline = time.monotonic() + self.timeout_s
+        gen = self.newest() if gen is None else gen
+        while True:
+            self.store.set(f"g{gen}/member/{self.rank}", str(os.getpid()))
+            while not self.store.check([f"g{gen}/member/{r}" for r in range(self.world)]):
+                if self.newest() > gen or time.monotonic() > deadline:
+                    break
+                time.sleep(POLL_S)
+            else:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {self.rank}: generation {gen} did not form in {self.timeout_s} s: "
+                                 "leaving for a restart")
+            gen = self.newest()
+        self.gen = gen
+        os.environ[GEN] = str(gen)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(f"g{gen}", self.store),
+                                rank=self.rank, world_size=self.world, device_id=device if device.type == "cuda" else None,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def newest(self):
+        return self.store.add("gen", 0)
+
+    @staticmethod
+    def lost_peer(error):
+        """Whether a collective's error says a peer died or hung (gloo's and NCCL's words for it)."""
+        from common.dist import PEER_LOST
+        return isinstance(error, RuntimeError) and any(phrase in str(error) for phrase in PEER_LOST)
+
+    def reform(self, device):
+        """After a peer was lost: leave the broken group, report the loss (the supervisor fences a rank
+        that reports none), wait for the supervisor's next generation and form it. Returns its number."""
+        import torch.distributed as dist
+        failed = self.gen
+        self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
+        self.store.add(f"g{failed}/lost", 1)
+        leave = threading.Thread(target=dist.destroy_process_group, daemon=True)  # the failed op has ended
+        leave.start()
+        leave.join(self.timeout_s)
+        if leave.is_alive():
+            raise SystemExit(f"rank {self.rank}: the broken process group did not close: leaving for a restart")
+        deadline = time.monotonic() + self.timeout_s + self.hang_timeout_s
+        while self.newest() <= failed:  # the supervisor has not seen a death yet (a frozen peer: it fences one)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {self.rank}: no replacement in {deadline:.0f} s: leaving for a restart")
+            time.sleep(POLL_S)
+        self.form(None, device)
+        return self.gen
+
+
+
+def recover(team, checkpointer, memory_tier, device, step):
+    """A survivor's way back after a peer was lost at `step`: the save in flight settles, the group
+    re-forms with the newcomer (Team.reform), and every rank restores the newest step all of them hold
+    (the memory tier, opened again over the new group by `memory_tier()`; else the disk), as the
+    newcomer does at its start: the same collectives in the same order. Returns the step restored."""
+    from common.dist import set_collective_timeout
+    t0, lost_at = time.perf_counter(), time.time()
+    snapshots = checkpointer.snapshots
+    if snapshots:
+        snapshots.wait()  # a copy in flight ends (whole, or not recorded)
+        snapshots.pool.shutdown()
+    pending, checkpointer.pending = checkpointer.pending, None
+    if pending is not None and pending.future is not None:  # rank 0's file commits whole (its rename) or not at all
+        error = pending.future.exception()
+        print(f"rank 0: the save of step {pending.step} in flight when a peer was lost "
+              + (f"failed ({error}): the earlier checkpoints stay" if error else "committed"), flush=True)
+    gen = team.reform(device)
+    formed_s = time.perf_counter() - t0
+    checkpointer.snapshots = memory_tier() if snapshots else None
+    restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
+    restored = checkpointer.load() if restored is None else restored
+    set_collective_timeout(checkpointer.guard.step_timeout_s)
+    checkpointer.monitor.event("recovered", step=restored, lost_step=step, generation=gen, lost_at=lost_at,
+                               formed_s=formed_s, recover_s=time.perf_counter() - t0, pid=os.getpid())
+    if team.rank == 0:
+        print(f"generation {gen}: a peer was lost in step {step + 1}; the group re-formed in {formed_s:.2f} s, "
+              f"training again from step {restored or 0} ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return restored or 0
+
+
+def warm_up():
+    """A spare's or a replacement's start-up before it holds a rank: torch's optimizer machinery (the
+    first construction imports torch._dynamo, about as long as `import torch`)."""
+    import torch
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+# ----------------------------------------------------------------------------- the node's side
+def loopback_master(timeout_s=300):
+    """(store, port): the job's store, served by this process from a socket bound to 127.0.0.1."""
+    import torch.distributed as dist
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          master_listen_fd=listener.detach(), wait_for_workers=False)
+    return store, port
+
+
+def _die_with_parent():
+    """In a worker, before exec: the kernel SIGKILLs it when the supervisor dies (no orphan trains on)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Supervisor:
+    """The processes of one node's job in this mode, and its store (see the module's docstring).
+
+    `cmd` runs the script; `world` ranks and `spares` waiting processes, each restarted up to
+    `max_restarts` times; a rank whose peers reported a loss but which reported none within
+    `fence_s` is SIGKILLed (fenced) and replaced. run() returns the job's exit status."""
+
+    def __init__(self, cmd, env, world, spares, max_restarts, fence_s, stop_file):
+        self.cmd, self.env, self.world, self.slots = cmd, env, world, world + spares
+        self.max_restarts, self.fence_s, self.stop_file = max_restarts, fence_s, stop_file
+        self.store, self.port = loopback_master()
+        self.store.add("gen", 0)
+        self.store.add("vacancies", 0)
+        self.procs, self.restarts = {}, [0] * self.slots
+        self.owner = {r: r for r in range(world)}  # rank -> slot holding it (None: vacant)
+        self.ended = False
+        self.signalled = []
+        self.watch = None  # (the current generation, when it was first seen)
+        self.formed = -1  # the newest generation seen formed
+        self.vacated = dict.fromkeys(range(world), 0)  # rank -> the generation its last vacancy opened (the first: 0)
+
+    def start(self, slot):
+        # One thread a process unless the user says otherwise, as torchrun sets it for several a node.
+        env = {"OMP_NUM_THREADS": "1", **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot), WORLD: str(self.world),
+               SLOTS: str(self.slots), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
+               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def holder(self, slot):
+        """The rank `slot` holds now (None: a spare): each vacancy's claim moved a rank to its claimant."""
+        owner = {r: r for r in range(self.world)}
+        for n in range(1, self.store.add("vacancies", 0) + 1):
+            rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
+            owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
+        return next((r for r, s in owner.items() if s == slot), None)
+
+    def vacate(self, slot, why):
+        """The process of `slot` is gone: the rank it held (if any) goes to the next generation's newcomer."""
+        rank = self.holder(slot)
+        if rank is None:
+            return
+        gen = self.store.add("gen", 1)
+        n = self.store.add("vacancies", 1)
+        self.store.set(f"vacancy/{n}", f"{rank} {gen}")
+        self.vacated[rank] = gen
+        print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process to "
+              "take it", flush=True)
+
+    def fence(self):
+        """Kill (fence) the ranks that hold up the current generation for fence_s, so that the supervisor
+        replaces them: after a survivor reported a loss but no process died, those that reported none
+        (frozen); while a new generation forms, the old members that have not joined it. A rank vacated
+        since the last generation formed is exempt: its newcomer may still be starting."""
+        gen, now = self.store.add("gen", 0), time.monotonic()
+        members = [self.store.check([f"g{gen}/member/{r}"]) for r in range(self.world)]
+        if all(members):
+            self.formed = gen
+        if self.watch is None or self.watch[0] != gen:
+            self.watch = (gen, now)
+            return
+        if now - self.watch[1] < self.fence_s:
+            return
+        if self.store.add(f"g{gen}/lost", 0) > 0:
+            suspects = [r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])]
+        elif not all(members):
+            newcomers = {rank for rank, opened in self.vacated.items() if opened > self.formed}
+            suspects = [r for r in range(self.world) if not members[r] and r not in newcomers]
+        else:
+            return
+        for rank in suspects:
+            slot = next((s for s in range(self.slots) if self.holder(s) == rank), None)
+            if slot is not None and self.procs[slot].poll() is None:
+                print(f"supervisor: rank {rank} (slot {slot}) held up generation {gen} for {self.fence_s:.0f} s: "
+                      "frozen, killed (fenced)", flush=True)
+                self.procs[slot].kill()
+        self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def run(self):
+        for slot in range(self.slots):
+            self.start(slot)
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+            signal.signal(number, self.pass_on)
+        code = None
+        try:
+            while code is None:
+                code = self.round()
+                time.sleep(POLL_S)
+        finally:  # spares leave on "end"; whatever still runs after a while is killed
+            self.store.set("end", "1")
+            for proc in self.procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10 if self.ended else 0)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    code = code or 1
+        return code
+
+    def round(self):
+        """One look at the processes: None while the job runs, else its exit status. A process that ends
+        with 0 (done, or a stop: its code in the stop file) or 143 (preempted), or any after a signal,
+        ends the job; any other is replaced alone."""
+        ended = False
+        for slot, proc in self.procs.items():
+            status = proc.poll()
+            if status is None:
+                continue
+            if status in (0, 143) or self.signalled or os.path.exists(self.stop_file):
+                ended = True
+                continue
+            if self.restarts[slot] >= self.max_restarts:
+                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times (exit {status}): "
+                      "ending the job", flush=True)
+                return 1
+            self.vacate(slot, f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
+            self.restarts[slot] += 1
+            self.start(slot)
+        if ended:
+            self.ended = True
+            self.store.set("end", "1")
+            for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(60, self.fence_s * 4))
+            statuses = [p.poll() for p in self.procs.values()]
+            return next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
+        self.fence()
+        return None
+
+    def pass_on(self, number, _):
+        self.signalled.append(number)
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(number)
