@@ -9,6 +9,7 @@ is. Crashes fire only in torchrun's first attempt, so the restarted job runs cle
 in every attempt, as a diverged run would.
 """
 import os
+import signal
 import sys
 
 
@@ -49,9 +50,13 @@ class Faults:
         return loss * float("nan") if self._flag("nan_at_step") == step + 1 else loss
 
     def after_step(self, step, previous=None):
-        """--crash-at-step: the crash rank dies once it has completed step N, before saving it."""
+        """--crash-at-step: the crash rank dies once it has completed step N, before saving it;
+        --freeze-at-step: it stops there (SIGSTOP), as a hung process would, until someone kills it."""
         if self._due(self._flag("crash_at_step"), step, previous):
             crash(f"{self.name} after step {step}")
+        if self._due(self._flag("freeze_at_step"), step, previous):
+            print(f"injected freeze: {self.name} after step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def leaves(self, step, previous=None):
         """--drop-trainer-at-step (rpc): True where the crash rank should leave silently now."""

@@ -36,6 +36,33 @@ STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", 
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
 
 
+def layout_problems(cfg, params):
+    """[lines] on what keeps a --survivors job from starting: --spares alone, or more processes (ranks and
+    spares) than this node has GPUs (--device cuda) or memory for (each holds the model, its gradients and
+    AdamW's moments: 16 bytes a parameter, on the CPU)."""
+    import torch
+    if not cfg.survivors:
+        return ["--spares needs --survivors"] if cfg.spares else []
+    processes = int(os.environ.get("WORLD_SIZE", 1)) + cfg.spares
+    if cfg.device == "cuda" and torch.cuda.device_count() < processes:
+        return [f"--survivors --spares {cfg.spares}: {processes} processes need a GPU each, this node has "
+                f"{torch.cuda.device_count()}"]
+    need, free = processes * 16 * params, available_memory()
+    if cfg.device != "cuda" and free is not None and need > free:
+        return [f"--survivors --spares {cfg.spares}: {processes} processes need about {need / 2**30:.1f} GiB of "
+                f"memory for the model's state, this node has {free / 2**30:.1f} GiB available"]
+    return []
+
+
+def available_memory():
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
 # ----------------------------------------------------------------------------- a worker's side
 class Team:
     """This process's place in the job: a rank it holds, or a spare's wait for one; the generations it
@@ -43,6 +70,9 @@ class Team:
 
     def __init__(self, timeout_s, hang_timeout_s):
         import torch.distributed as dist
+        from common.config import fail
+        if STORE not in os.environ:
+            fail("--survivors runs under run.sh (python -m harness.launch), which supervises the processes")
         host, port = os.environ[STORE].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])

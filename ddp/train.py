@@ -95,6 +95,7 @@ class Config:
     crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
     crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
+    freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
@@ -104,7 +105,8 @@ class Config:
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "crash_in_snapshot": POSITIVE, "spares": NON_NEGATIVE}
+          "crash_in_snapshot": POSITIVE, "freeze_at_step": POSITIVE,
+          "spares": NON_NEGATIVE}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -118,7 +120,9 @@ def check(cfg):
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
                    else []))
-    problems += (["--spares needs --survivors"] if cfg.spares and not cfg.survivors else [])
+    if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
+        from common.survivors import layout_problems
+        problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -301,7 +305,7 @@ def main(cfg):
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
         faults = None  # the tests' faults (common/faults.py), made only when one is asked for
         if any(getattr(cfg, name) is not None for name in ("crash_at_step", "crash_in_save", "crash_in_snapshot",
-                                                           "nan_at_step")):
+                                                           "freeze_at_step", "nan_at_step")):
             from common.faults import Faults
             faults = Faults(cfg, rank, world)
 

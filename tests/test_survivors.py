@@ -1,0 +1,80 @@
+"""--survivors: a dead or frozen rank is replaced alone (by a spare when one waits), the other ranks keep
+their processes, and the job ends with the weights of one that never failed (common/survivors.py)."""
+import contextlib
+import io
+import time
+
+import pytest
+
+from conftest import DROPOUT, SMALL, metrics, refused, summary
+from harness import launch
+
+SCRIPT = "ddp/train.py"
+
+
+def survivors_run(run_dir, *flags, spares=0, timeout=240):
+    """A --survivors job of 2 ranks; returns its output, after checking that it exited 0 with no Traceback."""
+    cmd, env = launch.survivors_job(SCRIPT, 2, run_dir, flags, spares)
+    code, output, hung = launch.finish(launch.start(cmd, env, run_dir / "job.log"), time.time() + timeout)
+    assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
+    return output
+
+
+def process_story(run_dir, rank):
+    """(the pids of rank `rank`'s start events, in order; its recovered events)."""
+    return [e["pid"] for e in metrics(run_dir, rank, "start")], metrics(run_dir, rank, "recovered")
+
+
+def test_a_spare_takes_a_dead_rank_0s_place_and_the_survivor_keeps_its_process_bitwise(tmp_path, ddp_reference):
+    # Rank 0 (which holds the run folder's lock and writes the checkpoints) dies after step 6, before its
+    # part of step 6's memory snapshot: the spare, started and warmed up with the job, takes rank 0; the
+    # survivor re-forms the group with it without restarting; both restore step 5 and redo step 6.
+    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 6, "--crash-rank", 0, spares=1)
+    assert "injected crash: rank 0 after step 6" in output
+    assert "slot 2 " in output and "takes rank 0" in output
+    survivor, recovered = process_story(tmp_path, 1)
+    assert len(survivor) == 1 and [(e["pid"], e["step"], e["generation"]) for e in recovered] == [(survivor[0], 5, 1)]
+    first, spare = metrics(tmp_path, 0, "start")
+    assert first["pid"] != spare["pid"] and spare["resumed_from_step"] == 5
+    assert spare["launched_at"] < recovered[0]["lost_at"]  # started with the job, not after the crash
+    result = summary(tmp_path)
+    assert result["generation"] == 1 and result["param_digest"] == summary(ddp_reference)["param_digest"]
+
+
+def test_a_frozen_rank_is_fenced_and_replaced_cold_while_the_survivor_keeps_its_process(tmp_path, ddp_reference):
+    # Rank 1 stops itself (SIGSTOP) after step 6: rank 0's next all-reduce times out (--hang-timeout-s),
+    # it reports the loss; rank 1 reports none, so the supervisor kills it (a fence: it can never come
+    # back) and starts a new process in its place, which restores step 5 from the memory tier.
+    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--freeze-at-step", 6, "--crash-rank", 1,
+                           "--hang-timeout-s", 2)
+    assert "injected freeze: rank 1 after step 6" in output
+    assert "supervisor: rank 1 (slot 1) held up generation 0 for 2 s: frozen, killed (fenced)" in output
+    survivor, recovered = process_story(tmp_path, 0)
+    assert len(survivor) == 1 and [(e["pid"], e["step"]) for e in recovered] == [(survivor[0], 5)]
+    frozen, replacement = metrics(tmp_path, 1, "start")
+    assert replacement["restarts"] == 1 and replacement["launched_at"] > recovered[0]["lost_at"]
+    assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--spares", 1], "--spares needs --survivors"),
+    (["--survivors", "--spares", -1], "--spares must be >= 0"),
+    (["--survivors", "--spares", 100000, "--dim", 1024, "--layers", 24, "--heads", 16],
+     "processes need about"),
+])
+def test_a_layout_that_cannot_run_is_refused_in_one_line(flags, message):
+    assert message in refused(SCRIPT, *flags)
+
+
+def test_survivors_on_several_nodes_or_without_the_launcher_is_refused_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("NNODES", "2")
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr):
+        launch.supervise(SCRIPT, 2, ["--survivors"], 0, 15.0)
+    assert exit_.value.code == 2 and stderr.getvalue().count("\n") == 1 and "one node" in stderr.getvalue()
+    monkeypatch.delenv("FT_STORE", raising=False)
+    from common.survivors import Team
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr := io.StringIO()):
+        Team(300, 15)
+    assert exit_.value.code == 2 and "runs under run.sh" in stderr.getvalue()
+    assert launch.survivors_layout(["--run-dir", str(tmp_path), "--survivors", "--spares", "2"]) == (True, 2, 15.0)
