@@ -76,7 +76,9 @@ def median_or_none(values):
 def phases(events, since):
     """How long a job took to train again after the moment `since` (epoch seconds), split into what it
     waited for, as rank 0's metrics show it; {} if no step followed a start after `since`. After a
-    fault, `since` is the fault's time; for a cold start, the launch of torchrun.
+    fault, `since` is the fault's time; for a cold start, the launch of torchrun. With --survivors, rank 0
+    may have lived on: its 'recovered' event stands for the start (no launch, no restart), and a spare
+    that took its place was launched before `since` (no restart either).
 
       total_s         `since` to the end of the first step trained after it
       detect_s        `since` to the launch of the new workers (the 'start' event's launched_at): the
@@ -91,15 +93,16 @@ def phases(events, since):
     """
     rank0 = sorted((e for e in events if e["rank"] == 0), key=lambda e: e["time"])
     steps = [e for e in rank0 if e["event"] == "step"]
-    start = next((e for e in rank0 if e["event"] == "start" and e["time"] > since), None)
+    begun = ("start", "recovered")
+    start = next((e for e in rank0 if e["event"] in begun and e["time"] > since), None)
     first = next((e for e in steps if start and e["time"] > start["time"]), None)
     if first is None:
         return {}
-    workers_at = start.get("launched_at")
+    workers_at = start.get("launched_at") if start.get("launched_at", 0) > since else None
     first_line = next((e["time"] for e in rank0 if workers_at and e["time"] >= workers_at), None)
     load = [e["load_s"] for e in rank0 if e["event"] == "load" and since < e["time"] <= start["time"]]
-    previous = max((e["time"] for e in rank0 if e["event"] == "start" and e["time"] <= since), default=None)
-    resumed = start.get("resumed_from_step") or 0
+    previous = max((e["time"] for e in rank0 if e["event"] in begun and e["time"] <= since), default=None)
+    resumed = start.get("resumed_from_step", start.get("step")) or 0
     trained = [e["step"] for e in steps if previous is not None and previous <= e["time"] <= since]
     replayed = max(0, max(trained, default=resumed) - resumed)
     again = next((e for e in steps if e["time"] > start["time"] and e["step"] >= resumed + replayed), first)
