@@ -12,7 +12,7 @@ outlives every worker (bound to the loopback: this mode runs on one node). The s
     claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch)
     g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
     g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
-    end                 the job is over: spares leave
+    end                 the job is over: spares leave (woken by a last vacancy/<n> that says "end")
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
 
@@ -22,6 +22,7 @@ the newest step every rank holds, as a restart would, and redoes the steps after
 never dies: once a survivor has reported a loss, the supervisor kills whichever rank has not reported
 one within --hang-timeout-s (a fence: a stale process can never come back), and replaces it.
 """
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -113,8 +114,8 @@ class Team:
                     return int(rank)
             if self.store.check(["end"]):
                 return None
-            with contextlib.suppress(dist.DistStoreError):  # the store answers when the key is set: no polling
-                self.store.wait([f"vacancy/{self.seen + 1}"], datetime.timedelta(seconds=1))
+            with contextlib.suppress(dist.DistStoreError):  # the store answers when the key is set (the end sets it too)
+                self.store.wait([f"vacancy/{self.seen + 1}"], datetime.timedelta(days=1))
 
     def form(self, gen, device):
         """Form generation `gen` (None: the newest) with every rank: say this rank is ready, wait until all
@@ -172,25 +173,29 @@ class Team:
 
 
 
-def recover(team, checkpointer, memory_tier, device, step):
-    """A survivor's way back after a peer was lost at `step`: the save in flight settles, the group
-    re-forms with the newcomer (Team.reform), and every rank restores the newest step all of them hold
-    (the memory tier, opened again over the new group by `memory_tier()`; else the disk), as the
-    newcomer does at its start: the same collectives in the same order. Returns the step restored."""
+def recover(team, checkpointer, device, step, rebuild):
+    """A survivor's way back after a peer was lost at `step`: a save in flight settles (committed whole,
+    or left uncommitted: never loaded), the group re-forms with the newcomer (Team.reform), `rebuild()`
+    makes again over the new group what belonged to the old one and returns the checkpointer (DDP: the
+    memory tier opened again; FSDP: the sharded model, its optimizer, tier and checkpointer), and every
+    rank restores the newest step all of them hold (the memory tier, else the disk), as the newcomer
+    does at its start: the same collectives in the same order. Returns (the step restored, the checkpointer)."""
     from common.dist import set_collective_timeout
     t0, lost_at = time.perf_counter(), time.time()
-    snapshots = checkpointer.snapshots
-    if snapshots:
-        snapshots.wait()  # a copy in flight ends (whole, or not recorded)
-        snapshots.pool.shutdown()
+    if checkpointer.snapshots:
+        checkpointer.snapshots.wait()  # a copy in flight ends (whole, or not recorded)
+        checkpointer.snapshots.pool.shutdown()
     pending, checkpointer.pending = checkpointer.pending, None
-    if pending is not None and pending.future is not None:  # rank 0's file commits whole (its rename) or not at all
-        error = pending.future.exception()
-        print(f"rank 0: the save of step {pending.step} in flight when a peer was lost "
-              + (f"failed ({error}): the earlier checkpoints stay" if error else "committed"), flush=True)
+    future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
+    if future is not None:  # its collectives fail with the group, its commit is atomic
+        done, _ = concurrent.futures.wait([future], timeout=team.timeout_s)
+        error = future.exception() if done else TimeoutError(f"still running after {team.timeout_s} s")
+        if error or team.rank == 0:
+            print(f"rank {team.rank}: the save of step {pending.step} in flight when a peer was lost: "
+                  + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
     gen = team.reform(device)
     formed_s = time.perf_counter() - t0
-    checkpointer.snapshots = memory_tier() if snapshots else None
+    checkpointer = rebuild()
     restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
     restored = checkpointer.load() if restored is None else restored
     set_collective_timeout(checkpointer.guard.step_timeout_s)
@@ -199,7 +204,7 @@ def recover(team, checkpointer, memory_tier, device, step):
     if team.rank == 0:
         print(f"generation {gen}: a peer was lost in step {step + 1}; the group re-formed in {formed_s:.2f} s, "
               f"training again from step {restored or 0} ({time.perf_counter() - t0:.2f} s)", flush=True)
-    return restored or 0
+    return restored or 0, checkpointer
 
 
 def warm_up():
@@ -304,6 +309,11 @@ class Supervisor:
                 self.procs[slot].kill()
         self.watch = (gen, now)  # the kill is seen as a death on the next round
 
+    def end(self):
+        """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy)."""
+        self.store.set("end", "1")
+        self.store.set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "end")
+
     def run(self):
         for slot in range(self.slots):
             self.start(slot)
@@ -315,8 +325,8 @@ class Supervisor:
                 rounds += 1
                 code = self.round(fence=rounds % 20 == 0)  # deaths every 5 ms, hangs every 0.1 s
                 time.sleep(POLL_S)
-        finally:  # spares leave on "end"; whatever still runs after a while is killed
-            self.store.set("end", "1")
+        finally:  # spares leave at the end; whatever still runs after a while is killed
+            self.end()
             for proc in self.procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10 if self.ended else 0)
@@ -347,7 +357,7 @@ class Supervisor:
             self.start(slot)
         if ended:
             self.ended = True
-            self.store.set("end", "1")
+            self.end()
             for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(60, self.fence_s * 4))

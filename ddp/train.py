@@ -384,7 +384,11 @@ def main(cfg):
                 if team is None or not team.lost_peer(error):
                     raise
                 from common.survivors import recover
-                step = recover(team, checkpointer, memory_tier, device, step)  # the newest step all ranks hold
+
+                def rebuild():  # the model is whole on every rank: only the memory tier belongs to a group
+                    checkpointer.snapshots = memory_tier() if cfg.snapshot_every else None
+                    return checkpointer
+                step, checkpointer = recover(team, checkpointer, device, step, rebuild)  # the newest step all hold
                 ddp_model, comm = wrap(model, device)  # a reducer of the new group, its buckets as at the start
 
         # --------------------------------------------------------------------- teardown

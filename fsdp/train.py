@@ -102,14 +102,18 @@ class Config:
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
     crash_in_staging: Optional[int] = None  # fault injection: --crash-rank dies while the async save of step N copies its shards
     crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
+    freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
+    survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
+    spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "save_threads": POSITIVE, "crash_in_staging": POSITIVE, "crash_in_snapshot": POSITIVE}
+          "save_threads": POSITIVE, "crash_in_staging": POSITIVE, "crash_in_snapshot": POSITIVE,
+          "freeze_at_step": POSITIVE, "spares": NON_NEGATIVE}
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
@@ -119,6 +123,9 @@ def check(cfg):
                 + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
                    else []))
+    if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
+        from common.survivors import layout_problems
+        problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
@@ -219,7 +226,16 @@ def forward_backward(model, micro_batches, device):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    rank, world, device = setup(cfg.device, cfg.timeout_s)
+    team = None  # the survivors tier (common/survivors.py): a spare waits in join() for a dead rank's place
+    if cfg.survivors:
+        from common.survivors import Team
+        team = Team(cfg.timeout_s, cfg.hang_timeout_s)
+        joined = team.join(cfg.device)
+        if joined is None:  # a spare at the end of the job
+            exit_without_finalizing()
+        rank, world, device = joined
+    else:
+        rank, world, device = setup(cfg.device, cfg.timeout_s)
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
@@ -228,13 +244,9 @@ def main(cfg):
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
         faults = None  # the tests' faults (common/faults.py), made only when one is asked for
         if any(getattr(cfg, name) is not None for name in ("crash_at_step", "crash_in_save", "crash_in_staging",
-                                                           "crash_in_snapshot", "nan_at_step")):
+                                                           "crash_in_snapshot", "freeze_at_step", "nan_at_step")):
             from common.faults import Faults
             faults = Faults(cfg, rank, world)
-        # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
-        # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
         print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
@@ -243,64 +255,82 @@ def main(cfg):
 
         # --------------------------------------------------------------------- model and optimizer
         bf16 = cfg.bf16 and device.type == "cuda"
-        model = build_model(cfg, mesh, device, bf16, monitor)
-        # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the default,
-        # whose weights the DDP and FSDP digests are compared on.
+        guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
+        step_times = []
+
+        def build():
+            """The sharded model, its optimizer, memory tier and checkpointer, over the world group: at the
+            start, and again over a re-formed group (--survivors: shards belong to the group they were made on)."""
+            # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
+            # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
+            mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+            model = build_model(cfg, mesh, device, bf16, monitor)
+            # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the
+            # default, whose weights the DDP and FSDP digests are compared on.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+            # The memory tier (common/snapshot.py): a rank's shards and RNG, also kept by a rank of the next node.
+            snapshots = None
+            if cfg.snapshot_every:
+                from common.snapshot import open_tier
+                snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
+                                      "shards")
+            return Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots,
+                                faults)
+
         fused = True if device.type == "cuda" and not cfg.cpu_offload else None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+        checkpointer = build()
+        model, optimizer = checkpointer.model, checkpointer.optimizer
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute, sharded over {world}"
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # The memory tier (common/snapshot.py): a rank's shards and RNG, also kept by a rank of the next node.
-        snapshots = None
-        if cfg.snapshot_every:
-            from common.snapshot import open_tier
-            snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
-                                  "shards")
-        guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
-        step_times = []
-        checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times,
-                                    snapshots, faults)
         resumed_from = checkpointer.resume(LAUNCHED_AT)  # from memory, else from disk, else a fresh start
         step = resumed_from or 0
 
         # --------------------------------------------------------------------- training loop
         while step < cfg.steps:
-            t0 = time.perf_counter()
-            # ----------------------------------------------------------------- TRAINING SECTION BEGIN
-            optimizer.zero_grad(set_to_none=True)
-            loss = forward_backward(model, data.micro_batches(step, rank, world, cfg.grad_accum), device)
-            if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()  # (hooks first wait for the weights a snapshot or an async save is still copying)
-            # ----------------------------------------------------------------- TRAINING SECTION END
-            # Everything that follows watches the step, and saves it.
-            if faults:  # --nan-at-step: a diverged loss
-                loss = faults.poison_loss(loss, step)
-            step += 1
-            mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
-            if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
-                checkpointer.finish()  # an earlier step's save in flight, of finite weights: let it commit
-                fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
-                     "steps are kept", code=3)
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
-                         mfu=mfu(flops_per_step, dt, device), **checkpointer.in_flight(t0))
-            guard.shorten_timeout(step_times)
-            if faults:  # --crash-at-step: this rank dies now, before the step is saved
-                faults.after_step(step)
-            if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
-                monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
-            checkpointer.save(step, stop=stop)
+            try:
+                t0 = time.perf_counter()
+                # ----------------------------------------------------------------- TRAINING SECTION BEGIN
+                optimizer.zero_grad(set_to_none=True)
+                loss = forward_backward(model, data.micro_batches(step, rank, world, cfg.grad_accum), device)
+                if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()  # (hooks first wait for the weights a snapshot or an async save is still copying)
+                # ----------------------------------------------------------------- TRAINING SECTION END
+                # Everything that follows watches the step, and saves it.
+                if faults:  # --nan-at-step: a diverged loss
+                    loss = faults.poison_loss(loss, step)
+                step += 1
+                mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
+                if not math.isfinite(mean_loss):  # diverged: every rank stops here, before anything is saved
+                    checkpointer.finish()  # an earlier step's save in flight, of finite weights: let it commit
+                    fail(f"loss is {mean_loss} at step {step}: stopping without saving, the checkpoints of earlier "
+                         "steps are kept", code=3)
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
+                             mfu=mfu(flops_per_step, dt, device), **checkpointer.in_flight(t0))
+                guard.shorten_timeout(step_times)
+                if faults:  # --crash-at-step: this rank dies now, before the step is saved
+                    faults.after_step(step)
+                if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
+                    monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
+                checkpointer.save(step, stop=stop)
+            except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
+                if team is None or not team.lost_peer(error):
+                    raise
+                from common.survivors import recover
+                step, checkpointer = recover(team, checkpointer, device, step, build)  # the newest step all hold
+                model, optimizer = checkpointer.model, checkpointer.optimizer
 
         # --------------------------------------------------------------------- teardown
         checkpointer.finish()
+        snapshots = checkpointer.snapshots
         if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
             snapshots.remove()
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.
@@ -317,7 +347,7 @@ def main(cfg):
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(full_state),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
                 state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save,
-                snapshot_bytes=snapshots.nbytes if snapshots else None)
+                snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()

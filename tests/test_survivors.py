@@ -12,9 +12,9 @@ from harness import launch
 SCRIPT = "ddp/train.py"
 
 
-def survivors_run(run_dir, *flags, spares=0, timeout=240):
+def survivors_run(run_dir, *flags, spares=0, script=SCRIPT, timeout=240):
     """A --survivors job of 2 ranks; returns its output, after checking that it exited 0 with no Traceback."""
-    cmd, env = launch.survivors_job(SCRIPT, 2, run_dir, flags, spares)
+    cmd, env = launch.survivors_job(script, 2, run_dir, flags, spares)
     code, output, hung = launch.finish(launch.start(cmd, env, run_dir / "job.log"), time.time() + timeout)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
     return output
@@ -78,3 +78,19 @@ def test_survivors_on_several_nodes_or_without_the_launcher_is_refused_in_one_li
         Team(300, 15)
     assert exit_.value.code == 2 and "runs under run.sh" in stderr.getvalue()
     assert launch.survivors_layout(["--run-dir", str(tmp_path), "--survivors", "--spares", "2"]) == (True, 2, 15.0)
+
+
+def test_fsdp_rank_0_dies_in_an_async_save_a_spare_takes_its_shards_and_the_save_is_never_loaded(tmp_path,
+                                                                                                fsdp_reference):
+    # FSDP's shards belong to the group they were made on: the survivor builds its model again over the
+    # re-formed group and restores its shards from the memory tier, the spare rank 0's from rank 0's
+    # slot. Rank 0 dies in the background write of step 8's checkpoint, its shards written but not
+    # committed: the survivor's part of that save fails with the group, and step 8 is never loaded.
+    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, script="fsdp/train.py",
+                           spares=1)
+    assert "injected crash: rank 0 while saving step 8" in output
+    assert "rank 1: the save of step 8 in flight when a peer was lost: not committed" in output
+    survivor, recovered = process_story(tmp_path, 1)
+    assert len(survivor) == 1 and [e["pid"] for e in recovered] == survivor and recovered[0]["step"] >= 8
+    assert [e["step"] for e in metrics(tmp_path, 0, "load")] == [recovered[0]["step"]]  # from memory, not step 8's
+    assert summary(tmp_path)["param_digest"] == summary(fsdp_reference)["param_digest"]
