@@ -205,7 +205,9 @@ def peer_loss_in_one_line(run_dir):
         rank, path = os.environ.get("RANK", "0"), Path(run_dir) / f"traceback-rank{os.environ.get('RANK', '0')}.txt"
         with open(path, "a") as f:
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, restart {restarts()}\n{traceback.format_exc()}")
-        print(f"rank {rank}: peer lost ({reason}); torchrun will restart the workers (traceback: {path})",
+        then = ("the supervisor will start a process in its place" if os.environ.get("FT_STORE")  # --survivors
+                else "torchrun will restart the workers")
+        print(f"rank {rank}: peer lost ({reason}); {then} (traceback: {path})",
               file=sys.stderr, flush=True)
         raise SystemExit(1)
 

@@ -35,6 +35,7 @@ import time
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
+RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 
 
 def layout_problems(cfg, params):
@@ -120,27 +121,44 @@ class Team:
     def form(self, gen, device):
         """Form generation `gen` (None: the newest) with every rank: say this rank is ready, wait until all
         are, then init_process_group over the generation's prefix of the store. A newer generation met
-        while waiting (another death) is joined instead."""
+        while waiting, or a group that fails to form (a member died meanwhile), moves on to the next."""
         import torch.distributed as dist
+        from common.dist import set_collective_timeout
         deadline = time.monotonic() + self.timeout_s
         gen = self.newest() if gen is None else gen
         while True:
-            self.store.set(f"g{gen}/member/{self.rank}", str(os.getpid()))
-            while not self.store.check([f"g{gen}/member/{r}" for r in range(self.world)]):
-                if self.newest() > gen or time.monotonic() > deadline:
-                    break
-                time.sleep(POLL_S)
-            else:
-                break
             if time.monotonic() > deadline:
-                raise SystemExit(f"rank {self.rank}: generation {gen} did not form in {self.timeout_s} s: "
-                                 "leaving for a restart")
-            gen = self.newest()
+                raise SystemExit(f"rank {self.rank}: no generation formed in {self.timeout_s} s: leaving for a restart")
+            self.store.set(f"g{gen}/member/{self.rank}", str(os.getpid()))
+            if not self.all_ready(gen, deadline):
+                gen = self.newest()
+                continue
+            try:  # everyone is warm and waiting: a short timeout, so that a member's death here costs little
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                        store=dist.PrefixStore(f"g{gen}", self.store), rank=self.rank,
+                                        world_size=self.world, device_id=device if device.type == "cuda" else None,
+                                        timeout=datetime.timedelta(seconds=max(self.hang_timeout_s, 10)))
+                break
+            except (RuntimeError, dist.DistError) as e:
+                # The failed init took the group's number, which destroy_process_group would have given back
+                # (a private counter): give it back, or this process's next group would not meet the others'.
+                dist.distributed_c10d._world.group_count = 0
+                print(f"rank {self.rank}: generation {gen} did not form ({str(e).strip()[:100]}): waiting for the "
+                      "next", flush=True)
+                while self.newest() <= gen and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                gen = self.newest()
+        set_collective_timeout(self.timeout_s)  # the long timeout while the state is restored
         self.gen = gen
         os.environ[GEN] = str(gen)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(f"g{gen}", self.store),
-                                rank=self.rank, world_size=self.world, device_id=device if device.type == "cuda" else None,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def all_ready(self, gen, deadline):
+        """Wait until every rank is ready to form `gen`: True, or False once a newer one has begun."""
+        while not self.store.check([f"g{gen}/member/{r}" for r in range(self.world)]):
+            if self.newest() > gen or time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def newest(self):
         return self.store.add("gen", 0)
@@ -159,8 +177,9 @@ class Team:
         self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
         self.store.add(f"g{failed}/lost", 1)
         leave = threading.Thread(target=dist.destroy_process_group, daemon=True)  # the failed op has ended
-        leave.start()
-        leave.join(self.timeout_s)
+        if dist.is_initialized():
+            leave.start()
+            leave.join(self.timeout_s)
         if leave.is_alive():
             raise SystemExit(f"rank {self.rank}: the broken process group did not close: leaving for a restart")
         deadline = time.monotonic() + self.timeout_s + self.hang_timeout_s
@@ -193,11 +212,21 @@ def recover(team, checkpointer, device, step, rebuild):
         if error or team.rank == 0:
             print(f"rank {team.rank}: the save of step {pending.step} in flight when a peer was lost: "
                   + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
-    gen = team.reform(device)
-    formed_s = time.perf_counter() - t0
-    checkpointer = rebuild()
-    restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
-    restored = checkpointer.load() if restored is None else restored
+    for attempt in range(1, RETRIES + 1):
+        try:
+            gen = team.reform(device)
+            formed_s = time.perf_counter() - t0
+            checkpointer = rebuild()
+            restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
+            restored = checkpointer.load() if restored is None else restored
+            break
+        except RuntimeError as error:
+            if not team.lost_peer(error):
+                raise
+            print(f"rank {team.rank}: another peer was lost while generation {team.gen} formed or restored "
+                  f"(attempt {attempt} of {RETRIES})", flush=True)
+    else:
+        raise SystemExit(f"rank {team.rank}: more than {RETRIES} failures in one recovery: leaving for a restart")
     set_collective_timeout(checkpointer.guard.step_timeout_s)
     checkpointer.monitor.event("recovered", step=restored, lost_step=step, generation=gen, lost_at=lost_at,
                                formed_s=formed_s, recover_s=time.perf_counter() - t0, pid=os.getpid())
@@ -268,6 +297,17 @@ class Supervisor:
             owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
         return next((r for r, s in owner.items() if s == slot), None)
 
+    def slot_of(self, rank):
+        return next((s for s in range(self.slots) if self.holder(s) == rank), None)
+
+    def stopped(self, slot):
+        """Whether the process of `slot` is stopped (SIGSTOP: state T in /proc), as a frozen one is."""
+        try:
+            with open(f"/proc/{self.procs[slot].pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError, TypeError, KeyError):
+            return False
+
     def vacate(self, slot, why):
         """The process of `slot` is gone: the rank it held (if any) goes to the next generation's newcomer."""
         rank = self.holder(slot)
@@ -296,13 +336,14 @@ class Supervisor:
             return
         if self.store.add(f"g{gen}/lost", 0) > 0:
             suspects = [r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])]
-        elif not all(members):
+        elif not all(members):  # a rank still in an older generation's formation waits for its timeout
             newcomers = {rank for rank, opened in self.vacated.items() if opened > self.formed}
-            suspects = [r for r in range(self.world) if not members[r] and r not in newcomers]
+            suspects = [r for r in range(self.world) if not members[r] and r not in newcomers
+                        and self.stopped(self.slot_of(r))]
         else:
             return
         for rank in suspects:
-            slot = next((s for s in range(self.slots) if self.holder(s) == rank), None)
+            slot = self.slot_of(rank)
             if slot is not None and self.procs[slot].poll() is None:
                 print(f"supervisor: rank {rank} (slot {slot}) held up generation {gen} for {self.fence_s:.0f} s: "
                       "frozen, killed (fenced)", flush=True)
