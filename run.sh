@@ -89,7 +89,7 @@ python_with() {
 }
 
 # compat [PYTEST ARGS]: the tests of what leans on torch's internals (FSDP2, DCP, async save, the memory
-# tier, DCP's metadata reader: test_fsdp, test_snapshot, test_untrusted; or PYTEST ARGS instead) on
+# tier, DCP's metadata reader, re-formed groups: test_fsdp, test_snapshot, test_untrusted, test_survivors) on
 # another torch: TORCH_VERSION, else the oldest requirements.txt claims. It runs in .venv-torch-VERSION,
 # made once, which holds that torch alone (1.2 GB). The rest of requirements.txt it takes from the python
 # that `run.sh test` uses, through a .pth; so do the CUDA libraries that PyPI's Linux build of torch loads
@@ -113,8 +113,9 @@ compat() {
       "${pip[@]}" "torch==$version"
     fi
   fi
-  # FSDP2 end to end (DCP save, async save, resume, reshard), the memory tier, the DCP reader that refuses pickles
-  [ $# -gt 0 ] || set -- tests/test_fsdp.py tests/test_snapshot.py tests/test_untrusted.py
+  # FSDP2 end to end (DCP save, async save, resume, reshard), the memory tier, the DCP reader that refuses pickles,
+  # the survivors' re-formed process groups
+  [ $# -gt 0 ] || set -- tests/test_fsdp.py tests/test_snapshot.py tests/test_untrusted.py tests/test_survivors.py
   echo "run.sh: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): pytest ${*@Q}" >&2
   exec "$venv/bin/python" -m pytest "$@"
 }

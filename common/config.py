@@ -121,6 +121,19 @@ def fail(message, prog=None, code=2):
     stop(code)
 
 
+# The scripts' fault flags (common/faults.py; deleted with it, they read as None).
+FAULT_FLAGS = ("crash_at_step", "crash_in_save", "crash_in_staging", "crash_in_snapshot", "freeze_at_step",
+               "nan_at_step")
+
+
+def faults_for(cfg, rank, world):
+    """The tests' faults (common/faults.py's Faults), made only when a fault flag is set; else None."""
+    if all(getattr(cfg, name, None) is None for name in FAULT_FLAGS):
+        return None
+    from common.faults import Faults
+    return Faults(cfg, rank, world)
+
+
 # Where the workers under torchrun of a launch by harness/launch.py leave the exit code of a deliberate
 # stop, for the launcher to exit with (under plain torchrun: stop_file()).
 STOP_FILE = "FT_STOP_FILE"

@@ -66,6 +66,15 @@ def setup(device_choice="auto", timeout_s=300):
     return rank, world_size, device
 
 
+def start(cfg):
+    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (common/survivors.py:
+    a process of the supervisor's that takes a rank, a spare waiting there for a dead rank's place)."""
+    if getattr(cfg, "survivors", False):
+        from common.survivors import join
+        return join(cfg)
+    return (None, *setup(cfg.device, cfg.timeout_s))
+
+
 def node_ranks():
     """The ranks of this node's processes: torchrun numbers a node's ranks in a row."""
     first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))

@@ -66,6 +66,17 @@ def available_memory():
 
 
 # ----------------------------------------------------------------------------- a worker's side
+def join(cfg):
+    """(team, rank, world size, device) of this process in a --survivors job, once it holds a rank: a
+    spare waits here; one still waiting when the job ends leaves here."""
+    from common.dist import exit_without_finalizing
+    team = Team(cfg.timeout_s, cfg.hang_timeout_s)
+    joined = team.join(cfg.device)
+    if joined is None:
+        exit_without_finalizing()
+    return (team, *joined)
+
+
 class Team:
     """This process's place in the job: a rank it holds, or a spare's wait for one; the generations it
     forms with the others."""
@@ -87,17 +98,17 @@ class Team:
         (rank, world_size, device); None if the job ended while this process waited (a spare)."""
         from common.dist import keep_on_loopback, pick_device
         keep_on_loopback()
+        device = pick_device(device_choice, self.slot, self.slots)  # a GPU per process, spares' included
         first = self.slot < self.world and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first:
             self.rank = self.slot
         else:
-            warm_up()  # what every new process pays once, paid before it is needed
+            warm_up(device)  # what every new process pays once, paid before it is needed
             self.rank = self.take_vacancy()
             if self.rank is None:
                 return None
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank),
                           LOCAL_WORLD_SIZE=str(self.world))
-        device = pick_device(device_choice, self.slot, self.slots)  # a GPU per process, spares' included
         self.form(0 if first else None, device)
         return self.rank, self.world, device
 
@@ -163,6 +174,55 @@ class Team:
     def newest(self):
         return self.store.add("gen", 0)
 
+    def recover(self, checkpointer, device, step, rebuild=None, memory_tier=None):
+        """A survivor's way back after a peer was lost at `step`: a save in flight settles (committed whole,
+        or left uncommitted: never loaded), the group re-forms with the newcomer (reform), what belonged to
+        the old group is made again over the new one (FSDP: `rebuild()`, the sharded model, its optimizer,
+        tier and checkpointer; DDP: the memory tier, `memory_tier()`), and every
+        rank restores the newest step all of them hold (the memory tier, else the disk), as the newcomer
+        does at its start: the same collectives in the same order. Returns (the step restored, the checkpointer)."""
+        from common.dist import set_collective_timeout
+        t0, lost_at = time.perf_counter(), time.time()
+        snapshots = checkpointer.snapshots
+        if snapshots:
+            snapshots.wait()  # a copy in flight ends (whole, or not recorded)
+            snapshots.pool.shutdown()
+        pending, checkpointer.pending = checkpointer.pending, None
+        future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
+        if future is not None:  # its collectives fail with the group, its commit is atomic
+            done, _ = concurrent.futures.wait([future], timeout=self.timeout_s)
+            error = future.exception() if done else TimeoutError(f"still running after {self.timeout_s} s")
+            if error or self.rank == 0:
+                print(f"rank {self.rank}: the save of step {pending.step} in flight when a peer was lost: "
+                      + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
+        if rebuild and getattr(checkpointer, "stager", None):  # FSDP's async staging buffers: the new one has its own
+            checkpointer.stager.close()
+        for attempt in range(1, RETRIES + 1):
+            try:
+                gen = self.reform(device)
+                formed_s = time.perf_counter() - t0
+                if rebuild:
+                    checkpointer = rebuild()
+                elif snapshots:
+                    checkpointer.snapshots = memory_tier()
+                restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
+                restored = checkpointer.load() if restored is None else restored
+                break
+            except RuntimeError as error:
+                if not self.lost_peer(error):
+                    raise
+                print(f"rank {self.rank}: another peer was lost while generation {self.gen} formed or restored "
+                      f"(attempt {attempt} of {RETRIES})", flush=True)
+        else:
+            raise SystemExit(f"rank {self.rank}: more than {RETRIES} failures in one recovery: leaving for a restart")
+        set_collective_timeout(checkpointer.guard.step_timeout_s)
+        checkpointer.monitor.event("recovered", step=restored, lost_step=step, generation=gen, lost_at=lost_at,
+                                   formed_s=formed_s, recover_s=time.perf_counter() - t0, pid=os.getpid())
+        if self.rank == 0:
+            print(f"generation {gen}: a peer was lost in step {step + 1}; the group re-formed in {formed_s:.2f} s, "
+                  f"training again from step {restored or 0} ({time.perf_counter() - t0:.2f} s)", flush=True)
+        return restored or 0, checkpointer
+
     @staticmethod
     def lost_peer(error):
         """Whether a collective's error says a peer died or hung (gloo's and NCCL's words for it)."""
@@ -185,62 +245,18 @@ class Team:
         deadline = time.monotonic() + self.timeout_s + self.hang_timeout_s
         while self.newest() <= failed:  # the supervisor has not seen a death yet (a frozen peer: it fences one)
             if time.monotonic() > deadline:
-                raise SystemExit(f"rank {self.rank}: no replacement in {deadline:.0f} s: leaving for a restart")
+                raise SystemExit(f"rank {self.rank}: no replacement in {self.timeout_s + self.hang_timeout_s:.0f} s: "
+                                 "leaving for a restart")
             time.sleep(POLL_S)
         self.form(None, device)
         return self.gen
 
 
-
-def recover(team, checkpointer, device, step, rebuild):
-    """A survivor's way back after a peer was lost at `step`: a save in flight settles (committed whole,
-    or left uncommitted: never loaded), the group re-forms with the newcomer (Team.reform), `rebuild()`
-    makes again over the new group what belonged to the old one and returns the checkpointer (DDP: the
-    memory tier opened again; FSDP: the sharded model, its optimizer, tier and checkpointer), and every
-    rank restores the newest step all of them hold (the memory tier, else the disk), as the newcomer
-    does at its start: the same collectives in the same order. Returns (the step restored, the checkpointer)."""
-    from common.dist import set_collective_timeout
-    t0, lost_at = time.perf_counter(), time.time()
-    if checkpointer.snapshots:
-        checkpointer.snapshots.wait()  # a copy in flight ends (whole, or not recorded)
-        checkpointer.snapshots.pool.shutdown()
-    pending, checkpointer.pending = checkpointer.pending, None
-    future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
-    if future is not None:  # its collectives fail with the group, its commit is atomic
-        done, _ = concurrent.futures.wait([future], timeout=team.timeout_s)
-        error = future.exception() if done else TimeoutError(f"still running after {team.timeout_s} s")
-        if error or team.rank == 0:
-            print(f"rank {team.rank}: the save of step {pending.step} in flight when a peer was lost: "
-                  + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
-    for attempt in range(1, RETRIES + 1):
-        try:
-            gen = team.reform(device)
-            formed_s = time.perf_counter() - t0
-            checkpointer = rebuild()
-            restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
-            restored = checkpointer.load() if restored is None else restored
-            break
-        except RuntimeError as error:
-            if not team.lost_peer(error):
-                raise
-            print(f"rank {team.rank}: another peer was lost while generation {team.gen} formed or restored "
-                  f"(attempt {attempt} of {RETRIES})", flush=True)
-    else:
-        raise SystemExit(f"rank {team.rank}: more than {RETRIES} failures in one recovery: leaving for a restart")
-    set_collective_timeout(checkpointer.guard.step_timeout_s)
-    checkpointer.monitor.event("recovered", step=restored, lost_step=step, generation=gen, lost_at=lost_at,
-                               formed_s=formed_s, recover_s=time.perf_counter() - t0, pid=os.getpid())
-    if team.rank == 0:
-        print(f"generation {gen}: a peer was lost in step {step + 1}; the group re-formed in {formed_s:.2f} s, "
-              f"training again from step {restored or 0} ({time.perf_counter() - t0:.2f} s)", flush=True)
-    return restored or 0, checkpointer
-
-
-def warm_up():
-    """A spare's or a replacement's start-up before it holds a rank: torch's optimizer machinery (the
-    first construction imports torch._dynamo, about as long as `import torch`)."""
+def warm_up(device):
+    """A spare's or a replacement's start-up before it holds a rank: its device (a CUDA context) and torch's
+    optimizer machinery (the first construction imports torch._dynamo, about as long as `import torch`)."""
     import torch
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))])
 
 
 # ----------------------------------------------------------------------------- the node's side
@@ -275,7 +291,6 @@ class Supervisor:
         self.store.add("gen", 0)
         self.store.add("vacancies", 0)
         self.procs, self.restarts = {}, [0] * self.slots
-        self.owner = {r: r for r in range(world)}  # rank -> slot holding it (None: vacant)
         self.ended = False
         self.signalled = []
         self.watch = None  # (the current generation, when it was first seen)
@@ -284,8 +299,8 @@ class Supervisor:
 
     def start(self, slot):
         # One thread a process unless the user says otherwise, as torchrun sets it for several a node.
-        env = {"OMP_NUM_THREADS": "1", **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot), WORLD: str(self.world),
-               SLOTS: str(self.slots), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
+        env = {"OMP_NUM_THREADS": "1", **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot),
+               WORLD: str(self.world), SLOTS: str(self.slots), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
         self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 

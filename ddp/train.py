@@ -6,6 +6,7 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:0 ddp/train.py       # the variable makes restarts reliable (README)
     python ddp/train.py --export model.pt              # one process, no torchrun; the final weights as one file
+    bash run.sh ddp 4 --survivors --spares 1           # a dead rank replaced alone, by a waiting spare
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
 optimizer, step, config and every rank's RNG state into one file, atomically; every rank resumes
@@ -15,7 +16,8 @@ stops the job before it saves; checkpoints that do not load are moved aside, nev
 
 Optional tiers are modules imported only where their flags ask for them: the memory tier
 (common/snapshot.py, on by default: each step's state in /dev/shm, so a restart replays at most one
-step), token files (common/tokens.py, --data) and the tests' faults (common/faults.py).
+step), token files (common/tokens.py, --data), the survivors (common/survivors.py, --survivors: the other
+ranks keep running while a dead one is replaced) and the tests' faults (common/faults.py).
 """
 import dataclasses
 import contextlib
@@ -42,11 +44,11 @@ from common.checkpoint import (BaseCheckpointer, PendingSave, atomic_save, atomi
                                hold_run_dir, keeping_settings, load_newest, newest_resume_problem, ownership_problems,
                                param_digest, prune, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng,
                                step_name)
-from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
-                           parse_config)
+from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, faults_for,
+                           flag_problems, parse_config)
 from common.data import StepData, data_problems, eval_batches
 from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, node_ranks,
-                         peer_loss_in_one_line, print0, restarts, setup, teardown)
+                         peer_loss_in_one_line, print0, restarts, start, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (CommTimer, Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak,
@@ -156,13 +158,9 @@ def forward_backward(ddp_model, micro_batches, device, bf16):
 
 
 def wrap(model, device):
-    """The DDP model, and the timer of its all-reduces (CommTimer).
-
-    DDP regroups its all-reduce buckets after the first step, in the order gradients became ready. A
-    resumed job would run its first step on the initial buckets, and with more than 2 ranks the sums
-    then add up in another order (seen here: other weights at 4 ranks). With find_unused_parameters the
-    initial buckets stay for good, at the cost of one graph traversal per step (and a one-time warning
-    that no parameter was unused)."""
+    """The DDP model, and the timer of its all-reduces (CommTimer). DDP regroups its buckets after the first
+    step; a resumed (or rebuilt) one would then sum in another order (other weights at 4 ranks, seen here).
+    find_unused_parameters keeps the first buckets, for a graph traversal a step and a one-time warning."""
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     comm = CommTimer()
     ddp_model.register_comm_hook(None, comm.hook)
@@ -287,27 +285,14 @@ class Checkpointer(BaseCheckpointer):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    team = None  # the survivors tier (common/survivors.py): a spare waits in join() for a dead rank's place
-    if cfg.survivors:
-        from common.survivors import Team
-        team = Team(cfg.timeout_s, cfg.hang_timeout_s)
-        joined = team.join(cfg.device)
-        if joined is None:  # a spare at the end of the job
-            exit_without_finalizing()
-        rank, world, device = joined
-    else:
-        rank, world, device = setup(cfg.device, cfg.timeout_s)
+    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team; a spare waits here for a rank
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = None  # the tests' faults (common/faults.py), made only when one is asked for
-        if any(getattr(cfg, name) is not None for name in ("crash_at_step", "crash_in_save", "crash_in_snapshot",
-                                                           "freeze_at_step", "nan_at_step")):
-            from common.faults import Faults
-            faults = Faults(cfg, rank, world)
+        faults = faults_for(cfg, rank, world)  # the tests' faults (common/faults.py), only when one is asked for
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -321,8 +306,7 @@ def main(cfg):
         # Peak memory of construction above what the process held before it: the whole model, on every rank.
         monitor.event("built", baseline_bytes=baseline, peak_bytes=peak_since_reset(device),
                       full_model_bytes=4 * num_params(model))
-        # Fused AdamW (one kernel for all parameters) on the GPU; the CPU keeps the default, whose weights
-        # the DDP and FSDP digests are compared on.
+        # Fused AdamW on the GPU; the CPU keeps the default, whose weights the DDP and FSDP digests are compared on.
         fused = True if device.type == "cuda" else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         bf16 = cfg.bf16 and device.type == "cuda"
@@ -331,8 +315,7 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # The memory tier (common/snapshot.py): every rank's RNG, and one copy per node of the model and
-        # optimizer, which the node's ranks copy a part each; each rank's record also kept by the next node.
+        # The memory tier (common/snapshot.py): each rank's RNG; the state once a node, a part copied by each rank.
         def memory_tier():  # opened at the start, and again over a re-formed group (--survivors)
             from common.snapshot import open_tier
             return open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
@@ -344,7 +327,6 @@ def main(cfg):
                                     snapshots, faults)
         resumed_from = checkpointer.resume(LAUNCHED_AT)  # from memory, else from disk, else a fresh start
         step = resumed_from or 0
-
         ddp_model, comm = wrap(model, device)
 
         # --------------------------------------------------------------------- training loop
@@ -381,14 +363,9 @@ def main(cfg):
                     monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
                 checkpointer.save(step, stop=stop)
             except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
-                if team is None or not team.lost_peer(error):
+                if not (team and team.lost_peer(error)):
                     raise
-                from common.survivors import recover
-
-                def rebuild():  # the model is whole on every rank: only the memory tier belongs to a group
-                    checkpointer.snapshots = memory_tier() if cfg.snapshot_every else None
-                    return checkpointer
-                step, checkpointer = recover(team, checkpointer, device, step, rebuild)  # the newest step all hold
+                step, checkpointer = team.recover(checkpointer, device, step, memory_tier=memory_tier)
                 ddp_model, comm = wrap(model, device)  # a reducer of the new group, its buckets as at the start
 
         # --------------------------------------------------------------------- teardown

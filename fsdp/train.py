@@ -18,7 +18,8 @@ unsaved.
 
 Optional tiers are modules imported only where their flags ask for them: the memory tier
 (common/snapshot.py, on by default: each rank's shards in /dev/shm every step, so a restart replays
-at most one step), token files (common/tokens.py, --data) and the tests' faults (common/faults.py).
+at most one step), token files (common/tokens.py, --data), the survivors (common/survivors.py,
+--survivors: the other ranks keep running while a dead one is replaced) and the tests' faults.
 """
 import dataclasses
 import json
@@ -43,11 +44,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from common.checkpoint import (atomic_save, atomic_write_json, hold_run_dir, newest_resume_problem, ownership_problems,
                                param_digest, run_dir_problems)
-from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
-                           parse_config)
+from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, faults_for,
+                           flag_problems, parse_config)
 from common.data import StepData, data_problems, eval_batches
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
-                         setup, teardown)
+                         start, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
@@ -226,27 +227,14 @@ def forward_backward(model, micro_batches, device):
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    team = None  # the survivors tier (common/survivors.py): a spare waits in join() for a dead rank's place
-    if cfg.survivors:
-        from common.survivors import Team
-        team = Team(cfg.timeout_s, cfg.hang_timeout_s)
-        joined = team.join(cfg.device)
-        if joined is None:  # a spare at the end of the job
-            exit_without_finalizing()
-        rank, world, device = joined
-    else:
-        rank, world, device = setup(cfg.device, cfg.timeout_s)
+    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team; a spare waits here for a rank
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = None  # the tests' faults (common/faults.py), made only when one is asked for
-        if any(getattr(cfg, name) is not None for name in ("crash_at_step", "crash_in_save", "crash_in_staging",
-                                                           "crash_in_snapshot", "freeze_at_step", "nan_at_step")):
-            from common.faults import Faults
-            faults = Faults(cfg, rank, world)
+        faults = faults_for(cfg, rank, world)  # the tests' faults (common/faults.py), only when one is asked for
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
         print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
@@ -258,26 +246,21 @@ def main(cfg):
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
         step_times = []
 
-        def build():
-            """The sharded model, its optimizer, memory tier and checkpointer, over the world group: at the
-            start, and again over a re-formed group (--survivors: shards belong to the group they were made on)."""
-            # The mesh over the world group, so FSDP's collectives have its timeout (init_device_mesh would
-            # make a group of its own, with gloo's 30-minute default where CUDA is visible but unused).
-            mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-            model = build_model(cfg, mesh, device, bf16, monitor)
-            # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the
-            # default, whose weights the DDP and FSDP digests are compared on.
+        # Fused AdamW (one kernel for all parameters) where they live on the GPU; the CPU keeps the default,
+        # whose weights the DDP and FSDP digests are compared on.
+        fused = True if device.type == "cuda" and not cfg.cpu_offload else None
+
+        def build():  # at the start, and over a re-formed group (--survivors): shards belong to their group
+            # The mesh over the world group, for its timeout (init_device_mesh's group has gloo's 30 minutes).
+            model = build_model(cfg, DeviceMesh.from_group(dist.group.WORLD, device.type), device, bf16, monitor)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-            # The memory tier (common/snapshot.py): a rank's shards and RNG, also kept by a rank of the next node.
-            snapshots = None
+            snapshots = None  # the memory tier (common/snapshot.py): a rank's shards and RNG, also on the next node
             if cfg.snapshot_every:
                 from common.snapshot import open_tier
                 snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
                                       "shards")
             return Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots,
                                 faults)
-
-        fused = True if device.type == "cuda" and not cfg.cpu_offload else None
         checkpointer = build()
         model, optimizer = checkpointer.model, checkpointer.optimizer
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
@@ -322,10 +305,9 @@ def main(cfg):
                     monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
                 checkpointer.save(step, stop=stop)
             except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
-                if team is None or not team.lost_peer(error):
+                if not (team and team.lost_peer(error)):
                     raise
-                from common.survivors import recover
-                step, checkpointer = recover(team, checkpointer, device, step, build)  # the newest step all hold
+                step, checkpointer = team.recover(checkpointer, device, step, rebuild=build)  # the newest all hold
                 model, optimizer = checkpointer.model, checkpointer.optimizer
 
         # --------------------------------------------------------------------- teardown

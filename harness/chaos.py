@@ -17,7 +17,9 @@ async save is in flight; a node lost whole (node-lost: an elastic job, --nnodes 
 agents with --ranks workers each; one agent and its workers SIGKILLed, the other goes on alone); a
 preemption (preempt: SIGTERM to the torchrun agent, which passes it on; the workers save the step in
 progress and exit, and the job is launched again). The first trials take every kind once, then
-kinds are drawn at random.
+kinds are drawn at random. The --survivors strategies (ddp-survivors with a spare, fsdp-survivors with a
+cold replacement) take the faults that kill or freeze a process: sigkill, sigstop, crash-at-step,
+crash-in-save; their trials also fail if a survivor's process started again.
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
 its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
@@ -58,7 +60,8 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints, step_name  # noqa: E402
 from common.config import Parser  # noqa: E402
-from harness.launch import STRATEGIES, finish, free_port, kill_node, problems, start, torchrun, workers  # noqa: E402
+from harness.launch import (STRATEGIES, finish, free_port, kill_node, problems, start, survivors_job,  # noqa: E402
+                            torchrun, workers)
 from harness.metrics import Watch, events, final_history, phases  # noqa: E402
 
 STEPS, SAVE_EVERY, BATCH = 48, 8, 12
@@ -80,11 +83,14 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # ends without a stopped one, after waiting the straggler timeout for its goodbye, and then kills it.
 HANG_FLAGS = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async": ["--straggler-timeout", 5]}
 HANG_FLAGS_DEFAULT = ["--hang-timeout-s", 5]
+# --survivors jobs (one node, the launcher's supervisor): a process lost costs only that process. They
+# take the faults that kill or freeze a process; a SIGTERM to one of them stops the whole job (a preemption).
+SURVIVORS = tuple(s for s in STRATEGIES if s.endswith("-survivors"))
 # The parameter server neither reshards nor saves on SIGTERM: node-lost and preempt are for these.
-DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc"))
+DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc") and s not in SURVIVORS)
 # ddp and fsdp snapshot every step into memory (common/snapshot.py): a process that dies costs them at
 # most one step. The parameter server has no memory tier.
-NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL}
+NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL + SURVIVORS}
 MARK = ".chaos-out"  # in --out: the folder is this runner's to empty, not the user's
 POLL_S = 0.005  # how often a save's folder is looked at while waiting for its shards
 
@@ -199,9 +205,11 @@ def signal_at_step(job, sig, ranks, step, attempt):
     """at_step: send `sig` to the worker of a random rank from `ranks`. The worker is looked up once its
     attempt has started, before the step: reading /proc takes longer than a step of a small job."""
     rank = job.rng.choice(ranks)
-    if job.watch.first("start", job.proc, job.deadline, attempt=attempt) is None:
+    started = job.watch.first("start", job.proc, job.deadline, rank=rank, attempt=attempt)
+    if started is None:
         return None
-    pid = workers(job.proc.pid, attempt).get(rank)
+    # A --survivors job's processes are the launcher's, their ranks taken in the store: the start event names them.
+    pid = started["pid"] if job.trial.strategy in SURVIVORS else workers(job.proc.pid, attempt).get(rank)
 
     def send():
         try:
@@ -324,7 +332,18 @@ def first_launch_crashes(then):
 
 # launch: (command, environment) of torchrun
 def one_node(job):
+    if job.trial.strategy in SURVIVORS:  # the launcher's supervisor, with the spares the flags ask for
+        spares = int(job.flags[job.flags.index("--spares") + 1]) if "--spares" in job.flags else 0
+        return survivors_job(job.script, job.trial.processes, job.run_dir, plain(job.flags), spares=spares)
     return torchrun(job.script, job.trial.processes, job.run_dir, job.flags)
+
+
+def plain(flags):
+    """A --survivors job's flags without its layout (--survivors, --spares N): its reference runs under torchrun."""
+    flags = list(flags)
+    if "--spares" in flags:
+        del flags[flags.index("--spares"):flags.index("--spares") + 2]
+    return [f for f in flags if f != "--survivors"]
 
 
 def two_nodes(job):
@@ -460,7 +479,7 @@ class FaultKind:
     """A kind of fault: the jobs it applies to, and its part in each stage of a trial (run_trial). A new
     kind is one entry of FAULTS, with its stage functions above."""
     name: str
-    strategies: tuple = tuple(STRATEGIES)  # those it applies to
+    strategies: tuple = tuple(s for s in STRATEGIES if s not in SURVIVORS)  # those it applies to
     nodes: int = 1  # torchrun agents of --ranks workers each (a parameter server's job: one, see processes())
     min_ranks: int = 1  # workers per agent, whatever --ranks says
     restarts: int = 1  # torchrun restarts it causes (a job launched again counts from 0 again)
@@ -476,14 +495,15 @@ class FaultKind:
 
 
 FAULTS = {kind.name: kind for kind in [
-    FaultKind("sigkill", lost_processes=True, fire=signal_worker(signal.SIGKILL)),
+    FaultKind("sigkill", tuple(STRATEGIES), lost_processes=True, fire=signal_worker(signal.SIGKILL)),
     FaultKind("sigterm", lost_processes=True, fire=signal_worker(signal.SIGTERM)),  # a preempted worker
     # A hung worker, noticed only by a peer: its peers' collectives time out, torchrun restarts the job;
     # rpc-async ends without a stopped trainer, with no restart.
-    FaultKind("sigstop", lost_processes=True, min_ranks=2, restarts_on={"rpc-async": 0}, prepare=shorten_hang_timeouts,
-              fire=stop_worker),
-    FaultKind("crash-at-step", lost_processes=True, prepare=crash_at_step(STEPS - 1), fired=crash_injected),
-    FaultKind("crash-in-save", lost_processes=True, prepare=crash_in_save, fired=crash_injected),
+    FaultKind("sigstop", tuple(STRATEGIES), lost_processes=True, min_ranks=2, restarts_on={"rpc-async": 0},
+              prepare=shorten_hang_timeouts, fire=stop_worker),
+    FaultKind("crash-at-step", tuple(STRATEGIES), lost_processes=True, prepare=crash_at_step(STEPS - 1),
+              fired=crash_injected),
+    FaultKind("crash-in-save", tuple(STRATEGIES), lost_processes=True, prepare=crash_in_save, fired=crash_injected),
     # A crash, then a SIGKILL after the resume: the crash leaves room for the second fault.
     FaultKind("two-faults", lost_processes=True, restarts=2, prepare=crash_at_step(STEPS - 2 * MARGIN),
               fire=kill_after_resume, fired=crash_injected_and_landed),
@@ -540,7 +560,12 @@ def judge(job, kind, code):
     trial, ev, summary_path = job.trial, job.events, job.run_dir / "summary.json"
     job.summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
     trial.exit, trial.restarts, trial.recovered = code, job.summary.get("restarts"), bool(job.summary)
-    trial.problems += ["hung"] if trial.hung else problems(job.run_dir, code, job.output, trial.expected_restarts)
+    if trial.hung:
+        trial.problems.append("hung")
+    elif trial.strategy in SURVIVORS:
+        trial.problems += survivors_problems(job, code)
+    else:
+        trial.problems += problems(job.run_dir, code, job.output, trial.expected_restarts)
     # A checkpoint that must not be loaded is on disk; the memory tier may hold a whole snapshot of its step.
     from_disk = [e["step"] for e in ev if e["rank"] == 0 and e["event"] == "load" and e.get("source") != "memory"]
     trial.bad_loads = sum(job.damaged is not None and step == job.damaged for step in from_disk)
@@ -548,11 +573,14 @@ def judge(job, kind, code):
     trial.fault_step = job.hit.step if job.hit else job.crash_step
 
     trained_at = [e["time"] for e in ev if e["attempt"] == 0 and e["event"] in ("step", "save")]
+    lost_at = [e["lost_at"] for e in ev if e["event"] == "recovered"]  # --survivors: no new attempt, a new generation
+    if lost_at:
+        trained_at = [t for t in trained_at if t < min(lost_at)]
     # The time of the fault; an injected crash's: attempt 0's last step or save.
     fault_at = job.hit.time if job.hit else max(trained_at, default=None)
     if fault_at and (trial.expected_restarts or kind.relaunch_timed):  # a relaunch after damage: no fault time
-        after = [e for e in ev if e["rank"] == 0 and e["event"] == "start" and e["time"] > fault_at]
-        trial.resumed_step = after[0]["resumed_from_step"] if after else None
+        after = [e for e in ev if e["rank"] == 0 and e["event"] in ("start", "recovered") and e["time"] > fault_at]
+        trial.resumed_step = after[0].get("resumed_from_step", after[0].get("step")) if after else None
         split = phases(ev, fault_at)
         trial.recovery_s = split.get("total_s")
         for key in ("detect_s", "restart_s", "load_s", "first_step_s", "replayed_steps", "replay_s"):
@@ -574,6 +602,26 @@ def judge(job, kind, code):
     if not trial.passed:
         trial.output_tail = job.output[-3000:]
     return trial
+
+
+def survivors_problems(job, code):
+    """What is wrong with a finished --survivors job ([] if nothing): it must exit 0 with no Traceback,
+    after one new generation per lost process, and every rank but the lost one must have kept its
+    process (one start event, the pid of its recovered events)."""
+    if code != 0 or not job.summary:
+        return [f"exit code {code}" + ("" if job.summary else ", no summary")]
+    wrong = ["a Traceback in the output"] if "Traceback" in job.output else []
+    lost = job.trial.expected_restarts
+    if job.summary.get("generation") != lost:
+        wrong.append(f"generation {job.summary.get('generation')}, expected {lost}")
+    starts = {}
+    for e in job.events:
+        if e["event"] == "start":
+            starts.setdefault(e["rank"], []).append(e["pid"])
+    restarted = [r for r, pids in starts.items() if len(pids) > 1]
+    if len(restarted) > lost or any(e["pid"] != starts[e["rank"]][-1] for e in job.events if e["event"] == "recovered"):
+        wrong.append(f"ranks {restarted} started again: a survivor restarted (starts {starts})")
+    return wrong
 
 
 def async_problems(all_events, summary):
@@ -605,7 +653,7 @@ def reference(strategy, nproc, out):
     script, extra = STRATEGIES[strategy]
     run_dir = out / f"reference-{strategy}-{nproc}"
     launched = time.time()
-    proc = start(*torchrun(script, nproc, run_dir, [*JOB_FLAGS, *extra, *KEEP_ALL]), log=f"{run_dir}.log")
+    proc = start(*torchrun(script, nproc, run_dir, [*JOB_FLAGS, *plain(extra), *KEEP_ALL]), log=f"{run_dir}.log")
     code, output, hung = finish(proc, launched + 600)
     wrong = ["no end after 600 s"] if hung else problems(run_dir, code, output, restarts=0)
     if wrong:  # every trial is compared with it: a reference that restarted or crashed proves nothing

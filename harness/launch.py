@@ -46,6 +46,8 @@ STRATEGIES = {
     "fsdp-async": ("fsdp/train.py", ["--async-save"]),
     "rpc": ("rpc/ps.py", []),
     "rpc-async": ("rpc/ps.py", ["--mode", "async"]),  # chaos checks it by its guarantees, not a digest
+    "ddp-survivors": ("ddp/train.py", ["--survivors", "--spares", "1"]),  # launched by survivors_job, not torchrun
+    "fsdp-survivors": ("fsdp/train.py", ["--survivors"]),  # a cold replacement
 }
 
 
