@@ -298,8 +298,10 @@ class Supervisor:
         self.vacated = dict.fromkeys(range(world), 0)  # rank -> the generation its last vacancy opened (the first: 0)
 
     def start(self, slot):
-        # One thread a process unless the user says otherwise, as torchrun sets it for several a node.
-        env = {"OMP_NUM_THREADS": "1", **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot),
+        # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
+        # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
+        threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
+        env = {**threads, **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot),
                WORLD: str(self.world), SLOTS: str(self.slots), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
         self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)

@@ -25,22 +25,6 @@ def process_story(run_dir, rank):
     return [e["pid"] for e in metrics(run_dir, rank, "start")], metrics(run_dir, rank, "recovered")
 
 
-def test_a_spare_takes_a_dead_rank_0s_place_and_the_survivor_keeps_its_process_bitwise(tmp_path, ddp_reference):
-    # Rank 0 (which holds the run folder's lock and writes the checkpoints) dies after step 6, before its
-    # part of step 6's memory snapshot: the spare, started and warmed up with the job, takes rank 0; the
-    # survivor re-forms the group with it without restarting; both restore step 5 and redo step 6.
-    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--crash-at-step", 6, "--crash-rank", 0, spares=1)
-    assert "injected crash: rank 0 after step 6" in output
-    assert "slot 2 " in output and "takes rank 0" in output
-    survivor, recovered = process_story(tmp_path, 1)
-    assert len(survivor) == 1 and [(e["pid"], e["step"], e["generation"]) for e in recovered] == [(survivor[0], 5, 1)]
-    first, spare = metrics(tmp_path, 0, "start")
-    assert first["pid"] != spare["pid"] and spare["resumed_from_step"] == 5
-    assert spare["launched_at"] < recovered[0]["lost_at"]  # started with the job, not after the crash
-    result = summary(tmp_path)
-    assert result["generation"] == 1 and result["param_digest"] == summary(ddp_reference)["param_digest"]
-
-
 def test_a_frozen_rank_is_fenced_and_replaced_cold_while_the_survivor_keeps_its_process(tmp_path, ddp_reference):
     # Rank 1 stops itself (SIGSTOP) after step 6: rank 0's next all-reduce times out (--hang-timeout-s),
     # it reports the loss; rank 1 reports none, so the supervisor kills it (a fence: it can never come
