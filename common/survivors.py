@@ -19,8 +19,9 @@ is ever read again.
 A survivor that sees a collective fail (Team.lost_peer) calls Team.reform: it destroys its group,
 waits for the supervisor's next generation, forms it with the newcomer, and the script then restores
 the newest step every rank holds, as a restart would, and redoes the steps after it. A frozen rank
-never dies: once a survivor has reported a loss, the supervisor kills whichever rank has not reported
-one within --hang-timeout-s (a fence: a stale process can never come back), and replaces it.
+never dies: the supervisor kills a process stopped for --hang-timeout-s, and, once a survivor has
+reported a loss, whichever rank has not reported one within --hang-timeout-s (a fence: a stale
+process can never come back), and replaces it.
 """
 import concurrent.futures
 import contextlib
@@ -294,8 +295,7 @@ class Supervisor:
         self.ended = False
         self.signalled = []
         self.watch = None  # (the current generation, when it was first seen)
-        self.formed = -1  # the newest generation seen formed
-        self.vacated = dict.fromkeys(range(world), 0)  # rank -> the generation its last vacancy opened (the first: 0)
+        self.stopped_since = {}  # slot -> when its process was first seen stopped
 
     def start(self, slot):
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
@@ -318,10 +318,10 @@ class Supervisor:
         return next((s for s in range(self.slots) if self.holder(s) == rank), None)
 
     def stopped(self, slot):
-        """Whether the process of `slot` is stopped (SIGSTOP: state T in /proc), as a frozen one is."""
+        """Whether the process of `slot` is stopped (SIGSTOP: state T in /proc; not a debugger's stop, t)."""
         try:
             with open(f"/proc/{self.procs[slot].pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
         except (OSError, IndexError, TypeError, KeyError):
             return False
 
@@ -333,39 +333,41 @@ class Supervisor:
         gen = self.store.add("gen", 1)
         n = self.store.add("vacancies", 1)
         self.store.set(f"vacancy/{n}", f"{rank} {gen}")
-        self.vacated[rank] = gen
         print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process to "
               "take it", flush=True)
 
     def fence(self):
-        """Kill (fence) the ranks that hold up the current generation for fence_s, so that the supervisor
-        replaces them: after a survivor reported a loss but no process died, those that reported none
-        (frozen); while a new generation forms, the old members that have not joined it. A rank vacated
-        since the last generation formed is exempt: its newcomer may still be starting."""
+        """Kill (fence) the processes that hold the job up for fence_s, so that the supervisor replaces
+        them: one stopped (SIGSTOP) that long, whatever its peers wait in (a save waits --timeout-s); and,
+        once a survivor has reported a loss but no process died, the ranks that reported none (frozen
+        otherwise: a deadlock)."""
         gen, now = self.store.add("gen", 0), time.monotonic()
-        members = [self.store.check([f"g{gen}/member/{r}"]) for r in range(self.world)]
-        if all(members):
-            self.formed = gen
+        for slot in range(self.slots):
+            if not self.stopped(slot):
+                self.stopped_since.pop(slot, None)
+            elif now - self.stopped_since.setdefault(slot, now) >= self.fence_s:
+                self.kill(slot, f"stopped for {self.fence_s:.0f} s")
+                self.stopped_since.pop(slot)
         if self.watch is None or self.watch[0] != gen:
             self.watch = (gen, now)
             return
         if now - self.watch[1] < self.fence_s:
             return
-        if self.store.add(f"g{gen}/lost", 0) > 0:
-            suspects = [r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])]
-        elif not all(members):  # a rank still in an older generation's formation waits for its timeout
-            newcomers = {rank for rank, opened in self.vacated.items() if opened > self.formed}
-            suspects = [r for r in range(self.world) if not members[r] and r not in newcomers
-                        and self.stopped(self.slot_of(r))]
-        else:
+        if self.store.add(f"g{gen}/lost", 0) == 0:
             return
-        for rank in suspects:
+        for rank in (r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])):
             slot = self.slot_of(rank)
-            if slot is not None and self.procs[slot].poll() is None:
-                print(f"supervisor: rank {rank} (slot {slot}) held up generation {gen} for {self.fence_s:.0f} s: "
-                      "frozen, killed (fenced)", flush=True)
-                self.procs[slot].kill()
+            if slot is not None:
+                self.kill(slot, f"held up generation {gen} for {self.fence_s:.0f} s")
         self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def kill(self, slot, why):
+        """Fence the process of `slot`: SIGKILL, which a stopped process obeys too; its death is replaced."""
+        if self.procs[slot].poll() is None:
+            rank = self.holder(slot)
+            print(f"supervisor: {f'rank {rank}' if rank is not None else 'a spare'} (slot {slot}) {why}: frozen, "
+                  "killed (fenced)", flush=True)
+            self.procs[slot].kill()
 
     def end(self):
         """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy)."""

@@ -114,7 +114,7 @@ class Trial:
     command: str = ""
     fired: bool = False  # the fault happened: signal delivered during training, crash injected, file damaged
     fault_step: Optional[int] = None  # the step the (last) fault followed; async-in-flight: the save it hit
-    restarts: Optional[int] = None  # torchrun restarts, from summary.json
+    restarts: Optional[int] = None  # torchrun restarts, from summary.json (--survivors: the group's generations)
     exit: Optional[int] = None
     hung: bool = False
     recovered: bool = False  # exit 0 with a summary
@@ -559,7 +559,9 @@ def judge(job, kind, code):
     phases, and the kind's own checks."""
     trial, ev, summary_path = job.trial, job.events, job.run_dir / "summary.json"
     job.summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
-    trial.exit, trial.restarts, trial.recovered = code, job.summary.get("restarts"), bool(job.summary)
+    trial.exit, trial.recovered = code, bool(job.summary)
+    # --survivors: no torchrun restart, a new generation of the group per lost process
+    trial.restarts = job.summary.get("generation" if trial.strategy in SURVIVORS else "restarts")
     if trial.hung:
         trial.problems.append("hung")
     elif trial.strategy in SURVIVORS:
@@ -714,7 +716,7 @@ def table(results, kinds):
                          sum(r.restarts == r.expected_restarts for r in rs),
                          sum(r.digest_equal or bool(r.async_ok) for r in rs),
                          sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median_text(r.recovery_s for r in rs)])
-    return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts as expected",
+    return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts (survivors: generations) as expected",
                                    "digest == reference (rpc-async: its guarantees)",
                                    "damaged loaded", "hangs", "median recovery"])
 

@@ -2,6 +2,7 @@
 their processes, and the job ends with the weights of one that never failed (common/survivors.py)."""
 import contextlib
 import io
+import re
 import time
 
 import pytest
@@ -26,13 +27,13 @@ def process_story(run_dir, rank):
 
 
 def test_a_frozen_rank_is_fenced_and_replaced_cold_while_the_survivor_keeps_its_process(tmp_path, ddp_reference):
-    # Rank 1 stops itself (SIGSTOP) after step 6: rank 0's next all-reduce times out (--hang-timeout-s),
-    # it reports the loss; rank 1 reports none, so the supervisor kills it (a fence: it can never come
-    # back) and starts a new process in its place, which restores step 5 from the memory tier.
+    # Rank 1 stops itself (SIGSTOP) after step 6: the supervisor kills it (a fence: it can never come
+    # back), and a new process takes rank 1's place and restores step 5 from the memory tier with rank 0.
     output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--freeze-at-step", 6, "--crash-rank", 1,
                            "--hang-timeout-s", 2)
     assert "injected freeze: rank 1 after step 6" in output
-    assert "supervisor: rank 1 (slot 1) held up generation 0 for 2 s: frozen, killed (fenced)" in output
+    # Stopped for 2 s, or silent 2 s after rank 0 reported its collective's timeout: whichever comes first.
+    assert re.search(r"supervisor: rank 1 \(slot 1\) (stopped|held up generation 0) for 2 s: frozen, killed", output)
     survivor, recovered = process_story(tmp_path, 0)
     assert len(survivor) == 1 and [(e["pid"], e["step"]) for e in recovered] == [(survivor[0], 5)]
     frozen, replacement = metrics(tmp_path, 1, "start")
