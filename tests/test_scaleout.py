@@ -31,38 +31,6 @@ def nodes(script, nproc, run_dir, flags, nnodes):
     return start_node
 
 
-def two_nodes(script, nproc, run_dir, *flags, restarts=0, timeout=300):
-    """Start one torchrun agent per 'node' on this machine, same endpoint and id; wait for both, and
-    check them as conftest.torchrun checks one node. Only the failing node's agent counts a restart (the
-    other one restarts its workers for the new membership, uncounted), so `restarts` is the count of
-    the rank that counted most; summary.json, written by rank 0, may come from either node."""
-    start_node = nodes(script, nproc, run_dir, flags, nnodes=2)
-    agents = [start_node(node) for node in range(2)]
-    deadline = time.time() + timeout
-    ended = [finish(agent, deadline) for agent in agents]  # (exit code, output, hung) per node
-    outputs = [output for _, output, _ in ended]
-    for code, output, _ in ended:
-        assert code == 0, output[-6000:]
-    counted = max(e["restarts"] for rank in range(2 * nproc) for e in metrics(run_dir, rank, "start"))
-    assert counted == restarts, f"{counted} torchrun restarts, expected {restarts}"
-    if restarts == 0:
-        assert "Traceback" not in "".join(outputs), "".join(outputs)[-6000:]
-    return outputs
-
-
-def test_worker_killed_on_one_node_both_nodes_resume_bitwise(tmp_path, fsdp_four_ranks):
-    reference = fsdp_four_ranks  # the same job on one node, uninterrupted
-    run = tmp_path / "two-nodes"
-    # c10d orders the nodes by their agents, so ranks 2-3 share a node: kill rank 3 there. Its agent
-    # restarts its workers; the other node's agent sees the group change and restarts its own.
-    outputs = two_nodes("fsdp/train.py", 2, run, *SMALL, "--crash-at-step", 10, "--crash-rank", 3, restarts=1)
-    assert "injected crash: rank 3 after step 10" in "".join(outputs)
-    # Every rank's snapshot of step 9 is whole (rank 3 died before copying step 10's): one step replayed.
-    assert [(e["step"], e["source"]) for r in range(4) for e in metrics(run, r, "load")] == [(9, "memory")] * 4
-    assert summary(run)["world_size"] == 4
-    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
-
-
 def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_path, fsdp_four_ranks):
     # An elastic job (--nnodes 1:2) of two nodes with 2 ranks each; after step 9 one node is lost whole,
     # its agent and its workers SIGKILLed at once. The survivor's workers fail on their next collective,
