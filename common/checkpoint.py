@@ -164,14 +164,16 @@ def remove(path):
     return True
 
 
-def prune(ckpt_dir, keep, committed_step):
+def prune(ckpt_dir, keep, committed_step, held=()):
     """After the commit of `committed_step`: keep it and the `keep - 1` committed checkpoints before
-    it, delete older ones, and drop uncommitted folders older than it (left by a crash; a newer one
-    may still be being written by an async save). Checkpoints newer than the one just committed are
-    never counted or deleted here. Call on one rank only."""
-    older = [path for step, path in checkpoints(ckpt_dir) if step < committed_step]
-    for path in older[max(keep - 1, 0):]:
-        remove(path)
+    it, delete older ones but the steps `held` (not yet archived: common/archive.py), and drop
+    uncommitted folders older than it (left by a crash; a newer one may still be being written by an
+    async save). Checkpoints newer than the one just committed are never counted or deleted here. Call
+    on one rank only."""
+    older = [(step, path) for step, path in checkpoints(ckpt_dir) if step < committed_step]
+    for step, path in older[max(keep - 1, 0):]:
+        if step not in held:
+            remove(path)
     for step, path in checkpoints(ckpt_dir, committed=False):
         if step < committed_step:
             remove(path)
@@ -415,6 +417,12 @@ def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_f
             continue
         problem, _ = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)
         return problem and f"{path}: {problem}"
+    if getattr(cfg, "archive", ""):  # no checkpoint here: the resume would fetch the archive's newest
+        from common.archive import newest_archived
+        where, config = newest_archived(cfg.archive)
+        problem = where and resume_problem({"format": fmt, "config": config}, cfg, fmt, shape_fields, sample_fields,
+                                           cfg.allow_changes)[0]
+        return problem and f"{where}: {problem}"
     return None
 
 
@@ -504,6 +512,10 @@ class BaseCheckpointer:
         self.ckpt_dir = Path(cfg.run_dir) / "ckpt"
         self.save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
         self.pending = None  # the save in flight (--async-save), if any
+        self.archive = None  # --archive: rank 0's end of the uploader (common/archive.py)
+        if getattr(cfg, "archive", "") and rank == 0:
+            from common.archive import open_archive
+            self.archive = open_archive(cfg.archive, dataclasses.asdict(cfg))
 
     def save(self, step, stop=False):
         """After step `step`: a memory snapshot (copied in a thread while the next step computes) and a
@@ -524,8 +536,16 @@ class BaseCheckpointer:
             print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
             raise SystemExit(PREEMPTED)
 
+    def prune(self, step):
+        """After the commit of `step`, on rank 0: keep-K, but never a checkpoint not yet archived."""
+        prune(self.ckpt_dir, self.cfg.keep, step, held=self.archive.held if self.archive else ())
+
     def report(self, step, nbytes, blocking_s, staging_s, total_s, **more):
-        """The save of `step` has committed: its event in the metrics, its line on the console."""
+        """The save of `step` has committed: its event in the metrics, its line on the console; with
+        --archive, it goes to the uploader."""
+        if self.archive:
+            self.archive.submit(step, next(path for s, path in checkpoints(self.ckpt_dir) if s == step))
+            self.archive.record(self.monitor)
         self.monitor.event("save", step=step, blocking_s=blocking_s, staging_s=staging_s, total_s=total_s,
                            bytes=nbytes, **more)
         print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, blocking {blocking_s * 1000:.0f} ms,"
@@ -544,6 +564,15 @@ class BaseCheckpointer:
         set_collective_timeout(self.cfg.timeout_s)  # the long timeout, as in a save
         if self.pending:
             self.commit(self.pending, in_loop=False)
+        if self.archive:  # a finished run is whole in the object store, if it answers within --timeout-s
+            self.archive.close(self.cfg.timeout_s, self.monitor)
+            committed = checkpoints(self.ckpt_dir)
+            if committed:  # what keep-K held back for the uploader
+                self.prune(committed[0][0])
+
+    def archived(self):
+        """--archive, rank 0: the steps archived by this attempt, for the summary; else None."""
+        return self.archive.archived if self.archive else None
 
     def resume(self, launched_at):
         """Restore the state from the newest source that loses the least: a memory snapshot newer than the
@@ -551,11 +580,29 @@ class BaseCheckpointer:
         load()), else a fresh start. Logs the attempt's start event (`launched_at`: the process's
         start). Returns the step resumed from, or None."""
         step = self.load_from_memory() if self.snapshots else None
+        if step is None and self.archive and not checkpoints(self.ckpt_dir):  # the run folder lost its checkpoints
+            self.fetch()
         if step is None:
             step = self.load()
+        committed = checkpoints(self.ckpt_dir) if self.archive else None
+        if committed:  # an earlier attempt's last commit may not be archived yet
+            self.archive.submit(*committed[0])
         self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
                            restarts=restarts(), world_size=self.world, pid=os.getpid())
         return step
+
+    def fetch(self):
+        """Rank 0: the newest whole archived step into the run folder, where load() finds it; a store that
+        does not answer now is a crash (torchrun tries again), never a fresh start over the archive."""
+        from common.archive import fetch_newest
+        try:
+            step, nbytes, seconds = fetch_newest(self.cfg.archive, self.ckpt_dir)
+        except Exception as e:
+            print(f"could not read the archive {self.cfg.archive} ({type(e).__name__}: {str(e)[:120]}): "
+                  "not starting fresh over it", flush=True)
+            raise SystemExit(1)
+        if step is not None:
+            self.monitor.event("fetch", step=step, bytes=nbytes, fetch_s=seconds, source=self.cfg.archive)
 
     def load_from_memory(self):
         """The memory tier's newest snapshot, if every rank can restore it and it is newer than the disk's

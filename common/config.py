@@ -101,6 +101,9 @@ def flag_problems(cfg, data_ranks, ranges):
     problems = range_problems(cfg, ranges)
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
                  for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
+    if getattr(cfg, "archive", ""):  # the object-store tier: a URL, s3fs, and a bucket that answers
+        from common.archive import archive_problems
+        problems += archive_problems(cfg.archive)
     if not problems and cfg.batch_size % data_ranks:
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                         f"{data_ranks} ranks; it is kept fixed across world sizes so that a resume sees the "

@@ -17,7 +17,8 @@ stops the job before it saves; checkpoints that do not load are moved aside, nev
 Optional tiers are modules imported only where their flags ask for them: the memory tier
 (common/snapshot.py, on by default: each step's state in /dev/shm, so a restart replays at most one
 step), token files (common/tokens.py, --data), the survivors (common/survivors.py, --survivors: the other
-ranks keep running while a dead one is replaced) and the tests' faults (common/faults.py).
+ranks keep running while a dead one is replaced), the object store (common/archive.py, --archive: each
+checkpoint copied to S3 in the background) and the tests' faults (common/faults.py).
 """
 import dataclasses
 import contextlib
@@ -42,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import (BaseCheckpointer, PendingSave, atomic_save, atomic_write_json, checkpoints, cpu_copy,
                                hold_run_dir, keeping_settings, load_newest, newest_resume_problem, ownership_problems,
-                               param_digest, prune, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng,
+                               param_digest, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng,
                                step_name)
 from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, faults_for,
                            flag_problems, parse_config)
@@ -102,6 +103,7 @@ class Config:
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
+    archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
@@ -168,8 +170,7 @@ def wrap(model, device):
 
 
 # ----------------------------------------------------------------------------- checkpoint
-# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it): a
-# load refuses any other.
+# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it); a load refuses any other.
 FORMAT = 2
 
 
@@ -184,10 +185,9 @@ class Checkpointer(BaseCheckpointer):
 
     def __init__(self, *args):
         super().__init__(*args)
-        # --async-save: the one thread that writes rank 0's checkpoints
-        self.write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") \
-            if self.cfg.async_save else None
+        self.write_pool = None  # --async-save: the one thread that writes rank 0's checkpoints
         if self.cfg.async_save:
+            self.write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
             print0(f"async save: copied on the main thread into "
                    f"{'pinned' if self.device.type == 'cuda' else 'pageable'} CPU memory, written in a background thread")
 
@@ -242,7 +242,7 @@ class Checkpointer(BaseCheckpointer):
             fail(f"saving step {pending.step} failed ({getattr(error, 'strerror', None) or error}): the checkpoints "
                  "of earlier steps are kept" if self.rank == 0 else None, code=3)
         if self.rank == 0:
-            prune(self.ckpt_dir, self.cfg.keep, pending.step)
+            self.prune(pending.step)
         now = time.perf_counter()
         pending.blocking_s += now - t0 if in_loop else 0.0
         total_s = (pending.done_at or now) - pending.t0  # its callback may run after result()
@@ -383,8 +383,8 @@ def main(cfg):
             summary = training_summary(
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
-                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
-                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save,
+                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model), async_save=cfg.async_save,
+                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived(),
                 snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.torch_version import TorchVersion
 
 from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, keeping_settings,
-                               move_aside, prune, refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
+                               move_aside, refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
 from common.config import fail
 from common.dist import PEER_LOST, agree, print0
 from common.model import SHAPE_FIELDS
@@ -133,7 +133,7 @@ class Checkpointer(BaseCheckpointer):
             fsync_dir(record.path)
             fsync_dir(self.ckpt_dir)
             nbytes = sum(f.stat().st_size for f in record.path.iterdir())
-            prune(self.ckpt_dir, self.cfg.keep, record.step)
+            self.prune(record.step)
         total_s = (record.done_at or time.perf_counter()) - record.t0  # its callback may run after result()
         self.report(record.step, nbytes, record.blocking_s, record.staging_s(), total_s,
                     staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)

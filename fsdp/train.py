@@ -19,7 +19,8 @@ unsaved.
 Optional tiers are modules imported only where their flags ask for them: the memory tier
 (common/snapshot.py, on by default: each rank's shards in /dev/shm every step, so a restart replays
 at most one step), token files (common/tokens.py, --data), the survivors (common/survivors.py,
---survivors: the other ranks keep running while a dead one is replaced) and the tests' faults.
+--survivors: the other ranks keep running while a dead one is replaced), the object store
+(common/archive.py, --archive: each checkpoint copied to S3 in the background) and the tests' faults.
 """
 import dataclasses
 import json
@@ -108,6 +109,7 @@ class Config:
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
+    archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
@@ -327,8 +329,8 @@ def main(cfg):
             summary = training_summary(
                 device, step_times, tokens_per_step, flops_per_step, strategy="fsdp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(full_state),
-                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model),
-                state_bytes_per_rank=state_bytes(model, optimizer), async_save=cfg.async_save,
+                resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model), async_save=cfg.async_save,
+                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived(),
                 snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

@@ -1,6 +1,6 @@
 """Each optional tier is a module that a team can delete: a script copied with common/ minus the
-tiers' modules (the memory tier and its replicas, token files, the survivors, the faults) runs, and resumes bitwise,
-with the tiers' flags off (README, "Using a script in your job")."""
+tiers' modules (the memory tier and its replicas, token files, the survivors, the archive, the faults)
+runs, and resumes bitwise, with the tiers' flags off (README, "Using a script in your job")."""
 import shutil
 
 import pytest
@@ -8,7 +8,8 @@ import pytest
 from conftest import DROPOUT, REPO, SMALL, summary, torchrun
 from common.checkpoint import checkpoints
 
-TIERS = ["common/snapshot.py", "common/replica.py", "common/tokens.py", "common/survivors.py", "common/faults.py"]
+TIERS = ["common/snapshot.py", "common/replica.py", "common/tokens.py", "common/survivors.py", "common/archive.py",
+         "common/faults.py"]
 
 
 def copy_without(root, script, modules):

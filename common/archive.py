@@ -1,0 +1,396 @@
+"""The object-store tier (--archive s3://bucket/prefix): every checkpoint that commits in the run folder is
+copied to S3 by a background process, and a job whose run folder holds no checkpoint resumes from the
+newest archived one. Imported only when --archive is set; it imports no torch (the uploader, `python -m
+common.archive URL`, runs it alone) and needs s3fs (requirements-archive.txt).
+
+Layout: s3://bucket/prefix/step-NNNNNNNN/ holds a checkpoint's files (a DCP folder's, `.metadata` last
+of them; or the one step-NNNNNNNN.pt), then ARCHIVED.json, the commit: each file's bytes and sha256, the
+step and the saving job's config. An S3 object appears whole or not at all, so a step without that
+marker was cut short and is never loaded; a step with it is never written again. A marked step whose
+objects are missing or differ from the marker is moved aside to prefix/unreadable/step-NNNNNNNN-<time>/
+(copied there, then its marker and objects deleted) and the previous one is tried.
+
+The endpoint and credentials are boto's own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and
+AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws. No flag takes them and no line prints a key.
+
+The uploader copies the checkpoints one at a time, in the order they commit. Each failed attempt is one
+line, then a retry after 1, 2, 4 ... 30 s, for as long as the job runs; at its end the job waits up to
+--timeout-s for the last one. Meanwhile keep-K deletes no checkpoint that is not archived yet
+(Archive.held): a store that stays unreachable keeps them all in the run folder, until a save finds
+the disk full and stops the job (exit 3, every checkpoint kept).
+"""
+import hashlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MARKER = "ARCHIVED.json"
+ASIDE = "unreadable"  # where damaged archived steps are moved: prefix/unreadable/step-NNNNNNNN-<time>/
+# Short timeouts and one try per call: the uploader retries itself, with a line each time; s3fs's own five
+# retries of a dead endpoint would hide it for half a minute (FACTS.md).
+CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 1}}
+FAULT = "FT_ARCHIVE_CRASH_AT_STEP"  # tests: the uploader SIGKILLs itself before step N's marker, once
+REPO = Path(__file__).resolve().parents[1]
+
+
+def split(url):
+    """('bucket', 'prefix') of an s3://bucket/prefix URL (the prefix may be empty)."""
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    return bucket, prefix.strip("/")
+
+
+def base(url):
+    """The archive's root as s3fs names it: 'bucket/prefix'."""
+    bucket, prefix = split(url)
+    return f"{bucket}/{prefix}" if prefix else bucket
+
+
+def filesystem():
+    import s3fs
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=CLIENT_CONFIG)
+    fs.retries = 1
+    return fs
+
+
+def url_problems(url):
+    """['--archive ...'] if `url` is not s3://bucket[/prefix], else []."""
+    if not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", url):
+        return [f"--archive must be an s3://bucket/prefix URL (a bucket name of 3-63 lower-case letters, digits, "
+                f"dots or hyphens), got '{url}'"]
+    return []
+
+
+def archive_problems(url):
+    """Why the job cannot archive to `url`, in one line each: not an s3:// URL, s3fs missing, an endpoint
+    that does not answer, refused credentials, a bucket that does not exist. Asks the store only once a
+    job (the launcher's preflight, or the first attempt's rank 0), not at every restart of every rank."""
+    problems = url_problems(url)
+    if problems or os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return problems
+    try:
+        fs = filesystem()
+    except ImportError:
+        return ["--archive needs s3fs: pip install -r requirements-archive.txt"]
+    return [f"--archive {url}: {why}"] if (why := reach(fs, split(url)[0])) else []
+
+
+def reach(fs, bucket):
+    """None if `bucket` answers, else why not (one line, no key in it)."""
+    from botocore.exceptions import BotoCoreError, NoCredentialsError
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS's endpoint"
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        return f"bucket {bucket} does not exist at {endpoint}: make it first"
+    except PermissionError as e:
+        return (f"{endpoint} refused the credentials for bucket {bucket} ({e}): check AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    except NoCredentialsError:
+        return "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    except (BotoCoreError, OSError) as e:
+        return f"{endpoint} did not answer ({type(e).__name__}: {str(e)[:100]}); set AWS_ENDPOINT_URL to the store's"
+    return None
+
+
+def marked_steps(fs, url):
+    """The archived steps (those whose marker exists), newest first."""
+    try:
+        names = [Path(p).name for p in fs.ls(base(url), detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+    steps = sorted((int(m.group(1)) for n in names if (m := re.fullmatch(r"step-(\d{8})", n))), reverse=True)
+    return [s for s in steps if fs.exists(f"{base(url)}/step-{s:08d}/{MARKER}")]
+
+
+def newest_archived(url):
+    """(its URL, the config it was saved with) of the archive's newest step, for the check before a resume
+    would fetch it; (None, None) if there is none, and when the check is not the job's first (see
+    archive_problems) or the store does not answer (the resume says so)."""
+    if os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None, None
+    try:
+        fs = filesystem()
+        steps = marked_steps(fs, url)
+        if steps:
+            where = f"s3://{base(url)}/step-{steps[0]:08d}"
+            return where, json.loads(fs.cat_file(f"{where[5:]}/{MARKER}"))["config"]
+    except Exception:
+        pass
+    return None, None
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the uploader process
+def upload(fs, url, job):
+    """Copy the committed checkpoint job['path'] of step job['step'] to its prefix, the marker last.
+    Returns the bytes copied, 0 if the step was archived already (never written again)."""
+    step, path = job["step"], Path(job["path"])
+    dest = f"{base(url)}/step-{step:08d}"
+    if fs.exists(f"{dest}/{MARKER}"):
+        return 0
+    files = sorted(path.iterdir(), key=lambda p: (p.name == ".metadata", p.name)) if path.is_dir() else [path]
+    manifest = {"step": step, "name": path.name, "files": {}, "config": job["config"]}
+    for f in files:  # DCP's .metadata last of the data, so that DCP's own reader never sees a part
+        manifest["files"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+        fs.put_file(str(f), f"{dest}/{f.name}")
+    if os.environ.get(FAULT) == str(step):
+        print(f"fault injection: the archive's uploader dies before step {step}'s marker", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    fs.pipe_file(f"{dest}/{MARKER}", json.dumps(manifest, indent=1).encode())
+    return sum(f["bytes"] for f in manifest["files"].values())
+
+
+def abort_dangling(fs, url):
+    """Abort the unfinished multipart uploads under the archive's prefix (an uploader that died mid-file
+    leaves one, which the store keeps, and bills, until it is aborted)."""
+    bucket, prefix = split(url)
+    for up in fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []):
+        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+        print(f"archive: aborted an unfinished upload of {up['Key']}", file=sys.stderr, flush=True)
+
+
+def serve(url):
+    """The uploader: jobs in, one JSON line each on stdin, done in order; results out, one JSON line each
+    on stdout; its messages on stderr. Ends when stdin closes and its last job is done."""
+    out = sys.stdout
+    sys.stdout = sys.stderr
+    fs = filesystem()
+    try:
+        abort_dangling(fs, url)
+    except Exception as e:
+        print(f"archive: could not list unfinished uploads ({type(e).__name__}: {str(e)[:100]})", file=sys.stderr)
+    for line in sys.stdin:
+        out.write(json.dumps(attempt(fs, url, json.loads(line), out)) + "\n")
+        out.flush()
+
+
+def attempt(fs, url, job, out):
+    """Upload `job` until it succeeds: each failure one line (and a result line on `out`), then a retry
+    after 1, 2, 4 ... 30 s."""
+    t0, tries = time.perf_counter(), 0
+    while True:
+        tries += 1
+        try:
+            nbytes = upload(fs, url, job)
+            return {"step": job["step"], "bytes": nbytes, "seconds": time.perf_counter() - t0, "attempts": tries,
+                    "already": nbytes == 0}
+        except FileNotFoundError as e:
+            if not Path(job["path"]).exists():  # gone from the run folder (a person removed it): nothing to copy
+                print(f"archive: step {job['step']} is gone from {Path(job['path']).parent}: not archived",
+                      file=sys.stderr, flush=True)
+                return {"step": job["step"], "skipped": True}
+            error = e
+        except Exception as e:
+            error = e
+        wait_s = min(30, 2 ** (tries - 1))
+        why = f"{type(error).__name__}: {str(error)[:120]}"
+        print(f"archive: step {job['step']}: attempt {tries} failed ({why}); again in {wait_s} s", file=sys.stderr,
+              flush=True)
+        out.write(json.dumps({"step": job["step"], "failed": why, "attempts": tries}) + "\n")
+        out.flush()
+        time.sleep(wait_s)
+
+
+# ----------------------------------------------------------------------------- in the training job (rank 0)
+class Archive:
+    """Rank 0's end of the uploader: submit(step, path) after each commit; `held` are the steps keep-K must
+    not delete (sent, not yet archived); record(monitor) logs each archive's event (step,
+    bytes, seconds, attempts); close(wait_s) at the end. An uploader that dies is started again (one
+    line), and the steps it held are sent again."""
+
+    def __init__(self, url, config):
+        self.url, self.config, self.held, self.done, self.archived = url, config, {}, [], []
+        self.results, self.proc = queue.SimpleQueue(), None
+        self.start()
+
+    def start(self):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if self.proc is not None:
+            env.pop(FAULT, None)  # a fault fires once
+        self.proc = subprocess.Popen([sys.executable, "-m", "common.archive", self.url, str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        proc = self.proc
+        self.reader = threading.Thread(target=lambda: [self.results.put(json.loads(line)) for line in proc.stdout],
+                                       daemon=True)
+        self.reader.start()
+        for step, path in sorted(self.held.items()):
+            self.send(step, path)
+
+    def send(self, step, path):
+        try:
+            self.proc.stdin.write(json.dumps({"step": step, "path": str(path), "config": self.config}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the uploader is gone: check() starts another, which gets every held step
+            pass
+
+    def submit(self, step, path):
+        """Archive the committed checkpoint `path` of `step`; it is held in the run folder until then."""
+        self.held[step] = path
+        self.send(step, path)
+
+    def take(self):
+        """The uploader's results so far: a step archived (or gone from the run folder) is no longer held;
+        a failed attempt is only an event, the uploader tries again."""
+        while not self.results.empty():
+            result = self.results.get()
+            if "failed" not in result:
+                self.held.pop(result["step"], None)
+            if not result.get("skipped"):
+                self.done.append(result)
+
+    def check(self, idle=True):
+        """Take the results; start the uploader again if it died (with `idle`, even if it held nothing)."""
+        self.take()
+        if self.proc.poll() is not None:
+            self.reader.join(timeout=5)  # what it wrote before it ended
+            self.take()
+        if self.proc.poll() is not None and (idle or self.held):
+            print(f"archive: the uploader died (exit {self.proc.returncode}); starting another"
+                  + (f" for step {', '.join(map(str, sorted(self.held)))}" if self.held else ""), flush=True)
+            self.start()
+
+    def record(self, monitor):
+        """Log the archives done since the last call: an event each, and a line for each new one."""
+        self.check()
+        for result in self.done:
+            monitor.event("archive_failed" if "failed" in result else "archive", **result)
+            if not result.get("already", True):
+                print(f"archived step {result['step']} ({result['bytes'] / 2**20:.1f} MiB in {result['seconds']:.2f} s,"
+                      f" {result['attempts']} attempt{'s' * (result['attempts'] > 1)})", flush=True)
+        self.archived += [r["step"] for r in self.done if "failed" not in r]
+        self.done = []
+
+    def close(self, wait_s, monitor):
+        """Wait up to `wait_s` for the held steps' archives, then end the uploader; one line naming what
+        is not archived if it gives up. Returns the steps not archived."""
+        deadline = time.monotonic() + wait_s
+        self.check()
+        self.proc.stdin.close()  # the uploader ends once its last job is done
+        while self.held and time.monotonic() < deadline:
+            try:
+                self.results.put(self.results.get(timeout=min(1.0, deadline - time.monotonic())))
+            except (queue.Empty, ValueError):
+                pass
+            self.take()
+            if self.held and self.proc.poll() is not None:  # died at the end: another one for what it held
+                self.check(idle=False)
+                self.proc.stdin.close()
+        self.record(monitor)
+        if self.held:
+            print(f"archive: gave up after {wait_s:.0f} s: step {', '.join(map(str, sorted(self.held)))} is "
+                  f"committed in the run folder but not archived in {self.url}", flush=True)
+            self.proc.kill()
+        self.proc.wait()
+        return sorted(self.held)
+
+
+OPEN = {}  # url -> this process's Archive: a Checkpointer made again (fsdp --survivors) keeps its uploader
+
+
+def open_archive(url, config):
+    if url not in OPEN:
+        OPEN[url] = Archive(url, config)
+    return OPEN[url]
+
+
+def die_with_parent(parent):
+    """The uploader ends with the training process that started it (PR_SET_PDEATHSIG, set here rather than
+    between fork and exec, which is unsafe in a process with threads): a restarted job starts its own."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the call
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------- the resume (rank 0)
+class Damaged(Exception):
+    pass
+
+
+def fetch_newest(url, ckpt_dir):
+    """Copy the newest archived step that is whole into `ckpt_dir` (committed there by a rename: the
+    script's own load then reads it, with all its checks) and return (step, bytes, seconds); or
+    (None, 0, 0) if none is. A marked step whose objects are missing or differ is moved aside in the
+    archive and the previous one is tried."""
+    fs, t0 = filesystem(), time.perf_counter()
+    for step in marked_steps(fs, url):
+        src = f"{base(url)}/step-{step:08d}"
+        try:
+            nbytes, name = download(fs, src, Path(ckpt_dir))
+        except Damaged as why:
+            move_aside(fs, url, step, str(why))
+            continue
+        print(f"fetched step {step} from {url} ({nbytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f} s)",
+              flush=True)
+        return step, nbytes, time.perf_counter() - t0
+    return None, 0, 0.0
+
+
+def download(fs, src, ckpt_dir):
+    """Download the archived step `src` into a temp folder, checking each file against the marker, and
+    commit it as ckpt_dir/<name> by one rename. Returns (bytes, name); raises Damaged."""
+    manifest = json.loads(fs.cat_file(f"{src}/{MARKER}"))
+    name, files = manifest["name"], manifest["files"]
+    tmp = ckpt_dir / f".fetch-{name}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        for fname, want in files.items():
+            try:
+                fs.get_file(f"{src}/{fname}", str(tmp / fname))
+            except FileNotFoundError:
+                raise Damaged(f"{fname} is missing") from None
+            if (tmp / fname).stat().st_size != want["bytes"] or sha256(tmp / fname) != want["sha256"]:
+                raise Damaged(f"{fname} differs from its marker")
+            fsync(tmp / fname)
+        fsync(tmp)
+        os.replace(tmp / name if name.endswith(".pt") else tmp, ckpt_dir / name)  # the commit
+        fsync(ckpt_dir)
+    finally:
+        if tmp.exists():
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+    return sum(f["bytes"] for f in files.values()), name
+
+
+def fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def move_aside(fs, url, step, why):
+    """Move an archived step that is not whole to prefix/unreadable/: copy its objects, then delete its
+    marker (it is no longer an archived step), then the rest."""
+    src = f"{base(url)}/step-{step:08d}"
+    aside = f"{base(url)}/{ASIDE}/step-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    objects = fs.find(src)
+    for obj in objects:
+        fs.copy(obj, f"{aside}/{obj[len(src) + 1:]}")
+    fs.rm_file(f"{src}/{MARKER}")
+    for obj in objects:
+        if not obj.endswith(f"/{MARKER}"):
+            fs.rm_file(obj)
+    print(f"archive: moved step {step} aside to s3://{aside} ({why}); it is kept for inspection, never loaded",
+          flush=True)
+
+
+if __name__ == "__main__":
+    die_with_parent(int(sys.argv[2]))
+    serve(sys.argv[1])

