@@ -264,8 +264,11 @@ class Archive:
             self.start()
 
     def record(self, monitor):
-        """Log the archives done since the last call: an event each, and a line for each new one."""
+        """Take the results (see check), and log them: an event each, and a line for each new archive."""
         self.check()
+        self.log(monitor)
+
+    def log(self, monitor):
         for result in self.done:
             monitor.event("archive_failed" if "failed" in result else "archive", **result)
             if not result.get("already", True):
@@ -289,7 +292,9 @@ class Archive:
             if self.held and self.proc.poll() is not None:  # died at the end: another one for what it held
                 self.check(idle=False)
                 self.proc.stdin.close()
-        self.record(monitor)
+            self.log(monitor)  # as they come: a store down at the end shows in the metrics before it returns
+        self.take()
+        self.log(monitor)
         if self.held:
             print(f"archive: gave up after {wait_s:.0f} s: step {', '.join(map(str, sorted(self.held)))} is "
                   f"committed in the run folder but not archived in {self.url}", flush=True)

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
 from harness import launch
+from harness.metrics import Watch
 
 KEYS = {"AWS_ACCESS_KEY_ID": "archive-test-key", "AWS_SECRET_ACCESS_KEY": "archive-test-secret",
         "AWS_DEFAULT_REGION": "us-east-1"}
@@ -162,3 +164,29 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     done = run_sh("ddp", 2, *run, "--archive", "s3://nosuch/x", env=s3_env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "bucket nosuch does not exist" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_store_down_for_a_while_holds_up_no_step_and_the_uploads_catch_up(tmp_path, s3):
+    # The store stops once the first checkpoint is archived. Training goes on; each failed upload is one
+    # line and an event, and keep-K deletes nothing unarchived; the store returns, and every checkpoint of
+    # the job ends up archived.
+    flags = ["--steps", 600, "--save-every", 30, "--dim", 32, "--layers", 2, "--heads", 2, "--seq-len", 16,
+             "--batch-size", 12, "--log-every", 100, "--keep", 2, "--archive", "s3://ckpt/store-down"]
+    cmd, env = launch.torchrun("ddp/train.py", 1, tmp_path, flags, env=s3.env)
+    job, watch = launch.start(cmd, env, tmp_path / "job.log"), Watch(tmp_path)
+    try:
+        assert watch.first("archive", job), "the job ended before its first archive"
+        s3.stop()
+        down_since = time.time()
+        assert watch.first("archive_failed", job), "no upload failed while the store was down"
+    finally:
+        s3.start()
+    up_since = time.time()
+    code, output, hung = launch.finish(job, time.time() + 240)
+    assert not launch.problems(tmp_path, code, output), output[-3000:]
+    steps = [e["time"] for e in metrics(tmp_path, 0, "step")]
+    assert any(down_since < t < up_since for t in steps), ("nothing trained meanwhile", down_since, up_since, steps[-1])
+    assert re.search(r"archive: step \d+: attempt 1 failed \(\w+", output), output[-3000:]
+    assert marked(s3.client(), "store-down") == list(range(30, 601, 30)), output[-3000:]
+    assert max(e["attempts"] for e in metrics(tmp_path, 0, "archive")) > 1
+    assert len(list((tmp_path / "ckpt").glob("step-*.pt"))) == 2, output[-3000:]  # --keep 2, once all are archived
