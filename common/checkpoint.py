@@ -512,10 +512,7 @@ class BaseCheckpointer:
         self.ckpt_dir = Path(cfg.run_dir) / "ckpt"
         self.save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
         self.pending = None  # the save in flight (--async-save), if any
-        self.archive = None  # --archive: rank 0's end of the uploader (common/archive.py)
-        if getattr(cfg, "archive", "") and rank == 0:
-            from common.archive import open_archive
-            self.archive = open_archive(cfg.archive, dataclasses.asdict(cfg))
+        self.archived = None  # --archive, rank 0: the steps this attempt archived, once finish() has waited
 
     def save(self, step, stop=False):
         """After step `step`: a memory snapshot (copied in a thread while the next step computes) and a
@@ -537,15 +534,11 @@ class BaseCheckpointer:
             raise SystemExit(PREEMPTED)
 
     def prune(self, step):
-        """After the commit of `step`, on rank 0: keep-K, but never a checkpoint not yet archived."""
-        prune(self.ckpt_dir, self.cfg.keep, step, held=self.archive.held if self.archive else ())
+        """After the commit of `step`, on rank 0: keep-K (see prune_and_archive)."""
+        prune_and_archive(self.cfg, self.ckpt_dir, step, self.monitor)
 
     def report(self, step, nbytes, blocking_s, staging_s, total_s, **more):
-        """The save of `step` has committed: its event in the metrics, its line on the console; with
-        --archive, it goes to the uploader."""
-        if self.archive:
-            self.archive.submit(step, next(path for s, path in checkpoints(self.ckpt_dir) if s == step))
-            self.archive.record(self.monitor)
+        """The save of `step` has committed: its event in the metrics, its line on the console."""
         self.monitor.event("save", step=step, blocking_s=blocking_s, staging_s=staging_s, total_s=total_s,
                            bytes=nbytes, **more)
         print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, blocking {blocking_s * 1000:.0f} ms,"
@@ -564,15 +557,7 @@ class BaseCheckpointer:
         set_collective_timeout(self.cfg.timeout_s)  # the long timeout, as in a save
         if self.pending:
             self.commit(self.pending, in_loop=False)
-        if self.archive:  # a finished run is whole in the object store, if it answers within --timeout-s
-            self.archive.close(self.cfg.timeout_s, self.monitor)
-            committed = checkpoints(self.ckpt_dir)
-            if committed:  # what keep-K held back for the uploader
-                self.prune(committed[0][0])
-
-    def archived(self):
-        """--archive, rank 0: the steps archived by this attempt, for the summary; else None."""
-        return self.archive.archived if self.archive else None
+        self.archived = close_archive(self.cfg, self.ckpt_dir, self.monitor) if self.rank == 0 else None
 
     def resume(self, launched_at):
         """Restore the state from the newest source that loses the least: a memory snapshot newer than the
@@ -580,29 +565,13 @@ class BaseCheckpointer:
         load()), else a fresh start. Logs the attempt's start event (`launched_at`: the process's
         start). Returns the step resumed from, or None."""
         step = self.load_from_memory() if self.snapshots else None
-        if step is None and self.archive and not checkpoints(self.ckpt_dir):  # the run folder lost its checkpoints
-            self.fetch()
+        if self.rank == 0:  # --archive: a run folder without checkpoints gets the archive's newest
+            fetch_archived(self.cfg, self.ckpt_dir, self.monitor)
         if step is None:
             step = self.load()
-        committed = checkpoints(self.ckpt_dir) if self.archive else None
-        if committed:  # an earlier attempt's last commit may not be archived yet
-            self.archive.submit(*committed[0])
         self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
                            restarts=restarts(), world_size=self.world, pid=os.getpid())
         return step
-
-    def fetch(self):
-        """Rank 0: the newest whole archived step into the run folder, where load() finds it; a store that
-        does not answer now is a crash (torchrun tries again), never a fresh start over the archive."""
-        from common.archive import fetch_newest
-        try:
-            step, nbytes, seconds = fetch_newest(self.cfg.archive, self.ckpt_dir)
-        except Exception as e:
-            print(f"could not read the archive {self.cfg.archive} ({type(e).__name__}: {str(e)[:120]}): "
-                  "not starting fresh over it", flush=True)
-            raise SystemExit(1)
-        if step is not None:
-            self.monitor.event("fetch", step=step, bytes=nbytes, fetch_s=seconds, source=self.cfg.archive)
 
     def load_from_memory(self):
         """The memory tier's newest snapshot, if every rank can restore it and it is newer than the disk's
@@ -614,6 +583,63 @@ class BaseCheckpointer:
                                source="memory")
             print0(f"resuming from step {step} (memory snapshot)")
         return step
+
+
+# ----------------------------------------------------------------------------- --archive
+# Rank 0's calls to the object-store tier (common/archive.py), imported only when --archive is set.
+def archive_of(cfg):
+    """This process's uploader of --archive (started at the first call), or None without the flag."""
+    if not getattr(cfg, "archive", ""):
+        return None
+    from common.archive import open_archive
+    return open_archive(cfg.archive, dataclasses.asdict(cfg))
+
+
+def prune_and_archive(cfg, ckpt_dir, step, monitor):
+    """After the commit of `step`, on rank 0: keep-K, but, with --archive, never a checkpoint not yet
+    archived; and the step goes to the uploader."""
+    archive = archive_of(cfg)
+    prune(ckpt_dir, cfg.keep, step, held=archive.held if archive else ())
+    if archive:
+        archive.submit(step, next(path for s, path in checkpoints(ckpt_dir) if s == step))
+        archive.record(monitor)
+
+
+def fetch_archived(cfg, ckpt_dir, monitor):
+    """Before a resume, on rank 0, with --archive: a run folder that holds no committed checkpoint gets the
+    archive's newest whole step, where the script's load finds it; the newest local commit goes to the
+    uploader (an earlier attempt may have ended before it was archived). A store that does not answer
+    is a crash (torchrun tries again), never a fresh start over the archive."""
+    archive = archive_of(cfg)
+    if archive is None:
+        return
+    if not checkpoints(ckpt_dir):
+        from common.archive import fetch_newest
+        try:
+            step, nbytes, seconds = fetch_newest(cfg.archive, ckpt_dir)
+        except Exception as e:
+            print(f"could not read the archive {cfg.archive} ({type(e).__name__}: {str(e)[:120]}): not starting "
+                  "fresh over it", flush=True)
+            raise SystemExit(1)
+        if step is not None:
+            monitor.event("fetch", step=step, bytes=nbytes, fetch_s=seconds, source=cfg.archive)
+    committed = checkpoints(ckpt_dir)
+    if committed:
+        archive.submit(*committed[0])
+
+
+def close_archive(cfg, ckpt_dir, monitor):
+    """At the end of a job, on rank 0, with --archive: wait up to --timeout-s for the uploader (a finished
+    run is whole in the store), then apply keep-K to what it held back. Returns the steps this attempt
+    archived, for the summary; None without --archive."""
+    archive = archive_of(cfg)
+    if archive is None:
+        return None
+    archive.close(cfg.timeout_s, monitor)
+    committed = checkpoints(ckpt_dir)
+    if committed:
+        prune(ckpt_dir, cfg.keep, committed[0][0], held=archive.held)
+    return archive.archived
 
 
 def young_daly_steps(save_s, step_s, mtbf_h, device):

@@ -384,7 +384,7 @@ def main(cfg):
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model), async_save=cfg.async_save,
-                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived(),
+                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived,
                 snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")

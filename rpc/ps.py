@@ -54,9 +54,10 @@ end_if_stopped()  # a torchrun restart after a stop of this launch ends here, be
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, hold_run_dir, keeping_settings, load_newest,
-                               newest_resume_problem, ownership_problems, param_digest, prune, refuse_unfit, rng_state,
-                               run_dir_problems, seed_rng, set_rng_state, step_name)
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, close_archive, fetch_archived, hold_run_dir,
+                               keeping_settings, load_newest, newest_resume_problem, ownership_problems, param_digest,
+                               prune_and_archive, refuse_unfit, rng_state, run_dir_problems, seed_rng, set_rng_state,
+                               step_name)
 from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, data_problems
@@ -107,6 +108,7 @@ class Config:
     max_staleness: int = 4  # async: drop a gradient computed more than N updates before the one applying it
     slow_trainer: Optional[int] = None  # a straggler: this trainer rank computes --slow-factor times slower
     slow_factor: float = 1.0  # the straggler sleeps (F - 1) x its compute time after each step: a slower machine
+    archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
@@ -172,7 +174,7 @@ def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
         }, ckpt_dir / step_name(step, ".pt"), before_commit=before_commit)
     except OSError as e:  # a full disk: the previous checkpoints stay as they are
         fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept", code=3)
-    prune(ckpt_dir, cfg.keep, step)
+    prune_and_archive(cfg, ckpt_dir, step, server.monitor)  # keep-K; --archive: to the uploader
     save_s = time.perf_counter() - t0
     server.monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
     print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
@@ -232,6 +234,7 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ckpt_dir = run_dir / "ckpt"
     # Resumed before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
+    fetch_archived(cfg, ckpt_dir, monitor)  # --archive: a run folder without checkpoints gets the archive's newest
     resumed = resume(ckpt_dir, model, optimizer, cfg, world, monitor)
     monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed.resumed_from, restarts=restarts(),
                   world_size=world)
@@ -245,7 +248,7 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     except BaseException:
         torch_rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
         raise
-    step_times = server.step_times
+    step_times, archived = server.step_times, close_archive(cfg, ckpt_dir, monitor)  # --archive: its last upload
     summary = {
         "strategy": "rpc", "world_size": world, "steps": server.version, "final_loss": server.loss,
         "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed.resumed_from,
@@ -255,8 +258,7 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
         "trainers_lost": len(server.lost), "lost_trainers": sorted(server.lost),
         "skipped_rows": server.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
         "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
-        "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
-    }
+        "mean_staleness": statistics.mean(server.staleness) if server.staleness else None, "archived": archived}
     if not step_times and (run_dir / "summary.json").exists():  # a finished run launched again
         print0(f"the run was finished at step {server.version}: nothing to train (a larger --steps trains on), "
                "its summary.json is kept")

@@ -190,3 +190,21 @@ def test_a_store_down_for_a_while_holds_up_no_step_and_the_uploads_catch_up(tmp_
     assert marked(s3.client(), "store-down") == list(range(30, 601, 30)), output[-3000:]
     assert max(e["attempts"] for e in metrics(tmp_path, 0, "archive")) > 1
     assert len(list((tmp_path / "ckpt").glob("step-*.pt"))) == 2, output[-3000:]  # --keep 2, once all are archived
+
+
+@pytest.mark.parametrize("script, nproc, then", [("fsdp/train.py", 2, 3), ("rpc/ps.py", 3, 3)])
+def test_fsdp_and_rpc_resume_from_the_archive(tmp_path, s3, script, nproc, then):
+    # FSDP's DCP folder (an async save) resumes at another world size, resharded; the parameter server's
+    # file as ddp's does. Nothing is left to train: exactly the archived weights.
+    flags = [*SMALL, "--archive", f"s3://ckpt/{script.split('/')[0]}",
+             *(["--async-save"] if script.startswith("fsdp") else [])]
+    run = tmp_path / "run"
+    torchrun(script, nproc, run, *flags, env=s3.env)
+    saved = summary(run)
+    assert saved["archived"] == [4, 8, 12, 16] == marked(s3.client(), script.split("/")[0])
+    shutil.rmtree(run)
+    out = torchrun(script, then, run, *flags, env=s3.env)
+    assert "fetched step 16" in out.stdout and "resuming from step 16" in out.stdout
+    if script.startswith("fsdp"):
+        assert "resharded from 2 to 3 ranks" in out.stdout
+    assert summary(run)["param_digest"] == saved["param_digest"]
