@@ -38,7 +38,7 @@ usage() {
 
 # Training imports torch (FSDP2's fully_shard, DCP's async staging: the oldest torch requirements.txt
 # claims has them) and numpy (and s3fs, for a job with --archive); the compare, chaos and goodput modes also
-# need tabulate, pytest and matplotlib, and the tests s3fs and SeaweedFS's weed (their S3 server) too.
+# need tabulate, pytest and matplotlib, and the tests and chaos s3fs and SeaweedFS's weed (their S3 server).
 # What shows each one is there: torch's installed version, read without importing torch (3-4 s, at every
 # start of run.sh), the others' import.
 torch_min=$(sed -n 's/^torch>=\([0-9.]*\).*/\1/p' requirements.txt)
@@ -133,7 +133,7 @@ case "$mode" in
   test) python_with "${TEST[@]}"; exec "$PY" -m pytest tests "$@" ;;
   compat) compat "$@" ;;
   compare) python_with "${RUNNERS[@]}"; from_caller compare "$@" ;;
-  chaos) python_with "${RUNNERS[@]}"; from_caller chaos "$@" ;;
+  chaos) python_with "${TEST[@]}"; from_caller chaos "$@" ;;  # its disk-lost trials archive to a local S3 server
   goodput) python_with "${RUNNERS[@]}"; from_caller goodput "$@" ;;
   *) usage ;;
 esac

@@ -1,7 +1,7 @@
 """The object-store tier (--archive s3://bucket/prefix): every checkpoint that commits in the run folder is
 copied to S3 by a background process, and a job whose run folder holds no checkpoint resumes from the
 newest archived one. Imported only when --archive is set; it imports no torch (the uploader, `python -m
-common.archive URL`, runs it alone) and needs s3fs (requirements-archive.txt).
+common.archive URL`, runs it alone) and needs s3fs (requirements.txt).
 
 Layout: s3://bucket/prefix/step-NNNNNNNN/ holds a checkpoint's files (a DCP folder's, `.metadata` last
 of them; or the one step-NNNNNNNN.pt), then ARCHIVED.json, the commit: each file's bytes and sha256, the
@@ -77,7 +77,7 @@ def archive_problems(url):
     try:
         fs = filesystem()
     except ImportError:
-        return ["--archive needs s3fs: pip install -r requirements-archive.txt"]
+        return ["--archive needs s3fs: run.sh installs it, or pip install s3fs==2026.9.0 (requirements.txt)"]
     return [f"--archive {url}: {why}"] if (why := reach(fs, split(url)[0])) else []
 
 
@@ -214,7 +214,7 @@ class Archive:
 
     def __init__(self, url, config):
         self.url, self.config, self.held, self.done, self.archived = url, config, {}, [], []
-        self.results, self.proc = queue.SimpleQueue(), None
+        self.results, self.proc, self.blocked_s = queue.SimpleQueue(), None, 0.0
         self.start()
 
     def start(self):
@@ -241,6 +241,13 @@ class Archive:
         """Archive the committed checkpoint `path` of `step`; it is held in the run folder until then."""
         self.held[step] = path
         self.send(step, path)
+
+    def committed(self, step, path, monitor):
+        """After a commit, in the training loop: submit it, log what is done; the loop's time in it counted."""
+        t0 = time.perf_counter()
+        self.submit(step, path)
+        self.record(monitor)
+        self.blocked_s += time.perf_counter() - t0
 
     def take(self):
         """The uploader's results so far: a step archived (or gone from the run folder) is no longer held;
@@ -295,6 +302,7 @@ class Archive:
             self.log(monitor)  # as they come: a store down at the end shows in the metrics before it returns
         self.take()
         self.log(monitor)
+        monitor.event("archive_end", archived=self.archived, not_archived=sorted(self.held), blocked_s=self.blocked_s)
         if self.held:
             print(f"archive: gave up after {wait_s:.0f} s: step {', '.join(map(str, sorted(self.held)))} is "
                   f"committed in the run folder but not archived in {self.url}", flush=True)

@@ -601,8 +601,7 @@ def prune_and_archive(cfg, ckpt_dir, step, monitor):
     archive = archive_of(cfg)
     prune(ckpt_dir, cfg.keep, step, held=archive.held if archive else ())
     if archive:
-        archive.submit(step, next(path for s, path in checkpoints(ckpt_dir) if s == step))
-        archive.record(monitor)
+        archive.committed(step, next(path for s, path in checkpoints(ckpt_dir) if s == step), monitor)
 
 
 def fetch_archived(cfg, ckpt_dir, monitor):

@@ -16,7 +16,9 @@ unreadable only until the relaunch has chosen where to resume (transient-read); 
 async save is in flight; a node lost whole (node-lost: an elastic job, --nnodes 1:2, of two torchrun
 agents with --ranks workers each; one agent and its workers SIGKILLed, the other goes on alone); a
 preemption (preempt: SIGTERM to the torchrun agent, which passes it on; the workers save the step in
-progress and exit, and the job is launched again). The first trials take every kind once, then
+progress and exit, and the job is launched again); the run folder lost (disk-lost: --archive to a
+local S3 server, harness/s3server.py; a first launch killed whole once a checkpoint is archived, its
+folder deleted: the job resumes from the archive). The first trials take every kind once, then
 kinds are drawn at random. The --survivors strategies (ddp-survivors with a spare, fsdp-survivors with a
 cold replacement) take the faults that kill or freeze a process: sigkill, sigstop, crash-at-step,
 crash-in-save; their trials also fail if a survivor's process started again.
@@ -63,6 +65,7 @@ from common.config import Parser  # noqa: E402
 from harness.launch import (STRATEGIES, finish, free_port, kill_node, problems, start, survivors_job,  # noqa: E402
                             torchrun, workers)
 from harness.metrics import Watch, events, final_history, phases  # noqa: E402
+from harness.s3server import BUCKET, S3Server  # noqa: E402
 
 STEPS, SAVE_EVERY, BATCH = 48, 8, 12
 # A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
@@ -330,6 +333,30 @@ def first_launch_crashes(then):
     return prepare
 
 
+def lose_the_disk(job):
+    """disk-lost (--archive, to the soak's S3 server): a first launch, killed whole (its uploader with it)
+    once a checkpoint is archived and a step more trained; then its run folder is deleted. The job proper
+    must resume from the archive. The memory tier is off: its snapshots would be loaded instead."""
+    job.flags += [*NO_MEMORY_TIER.get(job.trial.strategy, []), "--archive", f"s3://{BUCKET}/{job.run_dir.name}"]
+    first = start(*torchrun(job.script, job.trial.processes, job.run_dir, job.flags, max_restarts=0),
+                  log=f"{job.run_dir}-first.log")
+    watch = Watch(job.run_dir)
+    archived = watch.first("archive", first, job.deadline)  # logged at the save after the upload
+    if archived is not None and watch.first("step", first, job.deadline, min_step=watch.latest_step(0) + 1):
+        os.killpg(first.pid, signal.SIGKILL)
+    code, output, _ = finish(first, job.deadline)
+    if archived is None or code == 0:
+        raise FaultMissed("the first launch ended before it was killed with a checkpoint archived", output)
+    job.crash_step = archived["step"]
+    shutil.rmtree(job.run_dir)
+
+
+def fetched_archived(job):
+    """disk-lost: the job resumed from the archive, from a step no older than the one archived before the kill."""
+    fetched = [e["step"] for e in job.events if e["event"] == "fetch"]
+    return [] if fetched and fetched[0] >= job.crash_step else [f"fetched {fetched}, archived {job.crash_step}"]
+
+
 # launch: (command, environment) of torchrun
 def one_node(job):
     if job.trial.strategy in SURVIVORS:  # the launcher's supervisor, with the spares the flags ask for
@@ -519,6 +546,7 @@ FAULTS = {kind.name: kind for kind in [
               checks=at_survivors_size, expected=resumed_alike),
     FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
               checks=no_step_lost),
+    FaultKind("disk-lost", restarts=0, prepare=lose_the_disk, fired=lambda job: True, checks=fetched_archived),
 ]}
 KINDS = list(FAULTS)
 
@@ -742,6 +770,26 @@ def recovery_table(results, kinds, references):
                                    "first step", "replay", "steps replayed", "/ cold start"])
 
 
+def soak(planned, args, out, log):
+    """The references the trials of `planned` need, then the trials: (references, results)."""
+    needed = sorted({(s, processes(s, FAULTS[k], args.ranks)) for s, k in planned})
+    log(f"references: {', '.join(f'{s} ({n} processes)' for s, n in needed)} ...")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        references = dict(zip(needed, pool.map(lambda sn: reference(*sn, out), needed)))
+
+        def run_logged(t):
+            strategy, kind = planned[t]
+            log(f"trial {t}: {strategy}, {kind} ...")
+            r = run_trial(t, strategy, FAULTS[kind], random.Random(f"{args.seed}:{t}"), out,
+                          references[strategy, processes(strategy, FAULTS[kind], args.ranks)], args.ranks)
+            log(f"trial {t}: {strategy}, {kind}: {'ok' if r.passed else 'FAILED'} (fired {r.fired} at step "
+                f"{r.fault_step}, exit {r.exit}, restarts {r.restarts}, recovery "
+                f"{r.recovery_s and round(r.recovery_s, 1)} s)")
+            return r
+
+        return references, list(pool.map(run_logged, range(len(planned))))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     p = Parser(prog="bash run.sh chaos", description=__doc__.split("\n")[0])
@@ -779,22 +827,15 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    needed = sorted({(s, processes(s, FAULTS[k], args.ranks)) for s, k in planned})
-    log(f"references: {', '.join(f'{s} ({n} processes)' for s, n in needed)} ...")
-    with ThreadPoolExecutor(args.jobs) as pool:
-        references = dict(zip(needed, pool.map(lambda sn: reference(*sn, out), needed)))
-
-        def run_logged(t):
-            strategy, kind = planned[t]
-            log(f"trial {t}: {strategy}, {kind} ...")
-            r = run_trial(t, strategy, FAULTS[kind], random.Random(f"{args.seed}:{t}"), out,
-                          references[strategy, processes(strategy, FAULTS[kind], args.ranks)], args.ranks)
-            log(f"trial {t}: {strategy}, {kind}: {'ok' if r.passed else 'FAILED'} (fired {r.fired} at step "
-                f"{r.fault_step}, exit {r.exit}, restarts {r.restarts}, recovery "
-                f"{r.recovery_s and round(r.recovery_s, 1)} s)")
-            return r
-
-        results = list(pool.map(run_logged, range(len(planned))))
+    store = S3Server(out / "s3") if any(k == "disk-lost" for _, k in planned) else None
+    if store:  # --archive's store: a local S3 server, its variables for the jobs
+        store.start()
+        os.environ.update(store.env)
+    try:
+        references, results = soak(planned, args, out, log)
+    finally:
+        if store:
+            store.stop()
     (out / "results.json").write_text(json.dumps({
         "seed": args.seed, "argv": argv, "trials": [dataclasses.asdict(r) for r in results],
         "references": [{"strategy": s, "processes": n, **dataclasses.asdict(ref)} for (s, n), ref in references.items()],

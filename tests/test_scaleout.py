@@ -2,7 +2,6 @@
 pair; an elastic job that loses a node, and one that gains one); and the cluster launch files the README
 gives."""
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -123,13 +122,7 @@ def test_a_node_that_joins_an_elastic_job_is_admitted_at_a_saved_step(tmp_path):
     print(f"node added -> first step at 4 ranks: {phases(metrics(run, 0), added_at)}")
 
 
-def readme_block(language, marker):
-    """The fenced block of `language` in README.md whose first line contains `marker`."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
-    return next(b for b in blocks if marker in b.splitlines()[0])
-
-
-# Stand-ins for Slurm's commands, as Slurm 22.05 treated the README's batch file (job 42). srun runs a step
+# Stand-ins for Slurm's commands, as Slurm 22.05 treated docs/slurm.sbatch (job 42). srun runs a step
 # that, like run.sh's workers, saves and exits 143 on SIGTERM (or exits $STEP_EXIT at once). scancel
 # signals the batch shell (--batch) or the steps (--signal); a plain one cancels the job: TERM to both.
 # scontrol requeue also sends TERM to both. Then the job refuses scancel: at once after a cancel; after a
@@ -169,7 +162,7 @@ esac
 def test_the_readme_slurm_file_saves_the_step_and_requeues_only_when_slurm_does_not_end_the_job(
         tmp_path, slurm_sends, step_exit, code, log):
     script = tmp_path / "train.sbatch"
-    script.write_text(readme_block("bash", "#!/bin/bash"))
+    script.write_text((REPO / "docs" / "slurm.sbatch").read_text())
     assert "bash run.sh fsdp" in script.read_text()
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir(), state.mkdir()
