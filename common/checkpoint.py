@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import fail
-from common.dist import PREEMPTED, print0, restarts, set_collective_timeout
+from common.dist import PREEMPTED, agree, print0, restarts, set_collective_timeout
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 COMMIT_MARKER = ".metadata"  # DCP's own metadata file, written after every rank's shards
@@ -519,6 +519,8 @@ class BaseCheckpointer:
         disk checkpoint, each when due; then, if the job was stopped before its last step, exit 143."""
         if self.snapshots:
             self.snapshots.start(step, rng_state(), self.faults.in_snapshot(step) if self.faults else None)
+        if getattr(self.cfg, "light_every", None) and step % self.cfg.light_every == 0:
+            self.save_light(step)
         if step % self.save_every == 0 or step == self.cfg.steps or stop:
             t0 = time.perf_counter()
             with self.guard.patient():  # the other ranks may wait while rank 0 writes or prunes
@@ -536,6 +538,30 @@ class BaseCheckpointer:
     def prune(self, step):
         """After the commit of `step`, on rank 0: keep-K (see prune_and_archive)."""
         prune_and_archive(self.cfg, self.ckpt_dir, step, self.monitor)
+
+    def save_light(self, step):
+        """--light-every: the model's weights alone, as one file a plain torch.load reads (the keys of the
+        unwrapped model's state_dict, as --export writes them): rank 0's light/step-NNNNNNNN.pt, committed
+        by its rename, --light-keep of them kept. Never a resume's: it looks in ckpt/ only. A failed write
+        stops the job as a failed save does (exit 3)."""
+        t0, error, nbytes = time.perf_counter(), None, 0
+        weights = self.full_weights()  # FSDP: gathered, a collective
+        light_dir = Path(self.cfg.run_dir) / "light"
+        if self.rank == 0:
+            try:
+                light_dir.mkdir(exist_ok=True)
+                nbytes = atomic_save({k: v.detach().cpu() for k, v in weights.items()}, light_dir / step_name(step, ".pt"))
+                prune(light_dir, self.cfg.light_keep, step)
+            except OSError as e:
+                error = e
+        if not agree(error is None, self.device):
+            fail(f"saving the light checkpoint of step {step} failed ({getattr(error, 'strerror', None) or error})"
+                 if self.rank == 0 else None, code=3)
+        self.monitor.event("light", step=step, bytes=nbytes, blocking_s=time.perf_counter() - t0)
+
+    def full_weights(self):
+        """The model's whole state_dict on rank 0 (DDP: the unwrapped model's; fsdp/checkpoint.py gathers it)."""
+        return self.model.state_dict()
 
     def report(self, step, nbytes, blocking_s, staging_s, total_s, **more):
         """The save of `step` has committed: its event in the metrics, its line on the console."""

@@ -81,7 +81,8 @@ SHARED_RANGES = {
     "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
     "lr": POSITIVE, "min_lr": NON_NEGATIVE, "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": NON_NEGATIVE, "log_every": POSITIVE, "timeout_s": SECONDS,
-    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "nan_at_step": POSITIVE}
+    "crash_at_step": POSITIVE, "crash_rank": ANY_INT, "crash_in_save": POSITIVE, "nan_at_step": POSITIVE,
+    "light_every": POSITIVE, "light_keep": POSITIVE}
 CHOICES = {"device": ("auto", "cpu", "cuda")}
 
 

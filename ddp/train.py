@@ -14,14 +14,14 @@ from the newest file that loads. Data and learning rate are functions of the ste
 restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
 stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
 
-Optional tiers are modules imported only where their flags ask for them: the memory tier
-(common/snapshot.py, on by default: each step's state in /dev/shm, so a restart replays at most one
-step), token files (common/tokens.py, --data), the survivors (common/survivors.py, --survivors: the other
-ranks keep running while a dead one is replaced), the object store (common/archive.py, --archive: each
-checkpoint copied to S3 in the background) and the tests' faults (common/faults.py).
+Optional tiers are modules imported only where their flags ask for them: the memory tier (common/snapshot.py,
+on by default: each step's state in /dev/shm, so a restart replays at most one step), token files
+(common/tokens.py, --data), the survivors (common/survivors.py, --survivors: a dead rank is replaced alone),
+the archive (common/archive.py, --archive: checkpoints copied to S3) and the tests' faults (common/faults.py).
 """
-import dataclasses
 import contextlib
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -104,6 +104,8 @@ class Config:
     survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
+    light_every: Optional[int] = None  # every N steps, the model's weights alone in light/step-NNNNNNNN.pt (plain torch.load; never resumed from)
+    light_keep: int = 2  # --light-every: the light checkpoints kept
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
@@ -127,9 +129,8 @@ def check(cfg):
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
         from common.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
-    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
-                                   lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
-                                   FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
+    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg, lambda p: read_checkpoint(p, mmap=True), FORMAT,
+                                   SHAPE_FIELDS, SAMPLE_FIELDS)  # the newest readable checkpoint must fit
     problems += [resume] if resume else []
     if not problems and cfg.snapshot_every:  # room for the memory tier's slots (common/snapshot.py)
         from common.snapshot import tier_problems
@@ -174,9 +175,8 @@ def wrap(model, device):
 FORMAT = 2
 
 
-def read_checkpoint(path):
-    """A checkpoint file as Checkpointer.write wrote it, its tensors on the CPU (load_state_dict moves them)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+# A checkpoint file as Checkpointer.write wrote it, its tensors on the CPU (load_state_dict moves them).
+read_checkpoint = functools.partial(torch.load, map_location="cpu", weights_only=True)
 
 
 class Checkpointer(BaseCheckpointer):

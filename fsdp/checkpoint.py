@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    Metadata, MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.torch_version import TorchVersion
 
 from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, keeping_settings,
@@ -142,6 +143,10 @@ class Checkpointer(BaseCheckpointer):
         super().finish()
         if self.stager:
             self.stager.close()
+
+    def full_weights(self):
+        """--light-every: every rank's shards gathered into rank 0's CPU memory (the others get nothing)."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load(self):
         """Load the newest checkpoint folder that loads on every rank and fits the config, and restore

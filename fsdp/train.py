@@ -110,6 +110,8 @@ class Config:
     survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
+    light_every: Optional[int] = None  # every N steps, the model's weights alone in light/step-NNNNNNNN.pt (plain torch.load; never resumed from)
+    light_keep: int = 2  # --light-every: the light checkpoints kept
 
 
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).

@@ -4,8 +4,9 @@ jobs write (their metrics and summary.json):
     .venv/bin/python tests/archive_bench.py --presets small,medium --out archive_bench.json
 
 For each preset and script (ddp, fsdp; 2 ranks, --save-every 10): a job without --archive and the same job
-with it (then: each checkpoint's bytes and seconds to archive, the training loop's time in the archive's
-calls, the median step against the job without); then the finished run resumed from its run folder, and
+with it and --light-every 10 (then: each checkpoint's bytes and seconds to archive, the training loop's
+time in the archive's calls, the median step against the job without, a light checkpoint's bytes and
+blocking time against a full save's); then the finished run resumed from its run folder, and
 from the archive once the folder is gone (the seconds from the process's start to the first step would
 include `import torch`: these are the load's own, and the fetch's). Exit 1 if a job fails.
 """
@@ -45,10 +46,10 @@ def job(script, run_dir, flags, env):
 def measure(script, preset, steps, folder, server):
     flags = ["--preset", preset, "--steps", steps, "--save-every", 10, "--log-every", 1000]
     plain = job(script, folder / "plain", flags, server.env)
-    archive = [*flags, "--archive", f"s3://ckpt/{preset}-{Path(script).parent.name}"]
+    archive = [*flags, "--archive", f"s3://ckpt/{preset}-{Path(script).parent.name}", "--light-every", 10]
     run = folder / "archived"
     archived = job(script, run, archive, server.env)
-    uploads = events(run, "archive")
+    uploads, lights, saves = events(run, "archive"), events(run, "light"), events(run, "save")
     blocked_s = events(run, "archive_end")[0]["blocked_s"]
     shutil.copytree(run, folder / "local")  # the finished run, resumed from its folder ...
     job(script, folder / "local", archive, server.env)
@@ -61,7 +62,9 @@ def measure(script, preset, steps, folder, server):
             "loop_blocked_s_per_save": blocked_s / len(uploads), "median_step_s": archived["median_step_s"],
             "step_ratio": archived["median_step_s"] / plain["median_step_s"],
             "resume_local_s": local_s, "resume_archive_fetch_s": fetch["fetch_s"],
-            "resume_archive_load_s": load["load_s"]}
+            "resume_archive_load_s": load["load_s"], "light_bytes": lights[0]["bytes"],
+            "light_blocking_s_median": statistics.median(e["blocking_s"] for e in lights),
+            "save_blocking_s_median": statistics.median(e["blocking_s"] for e in saves)}
 
 
 def main():
@@ -82,10 +85,12 @@ def main():
     print(tabulate([[r["preset"], r["script"], f"{r['checkpoint_bytes'] / 2**20:.1f}", r["archives"],
                      f"{r['archive_s_median']:.3f}", f"{r['loop_blocked_s_per_save'] * 1000:.2f}",
                      f"{r['loop_blocked_s_per_save'] / r['median_step_s'] * 100:.1f}%", f"{r['step_ratio']:.2f}",
-                     f"{r['resume_local_s']:.2f}", f"{r['resume_archive_fetch_s']:.2f} + {r['resume_archive_load_s']:.2f}"]
-                    for r in rows],
+                     f"{r['resume_local_s']:.2f}", f"{r['resume_archive_fetch_s']:.2f} + {r['resume_archive_load_s']:.2f}",
+                     f"{r['light_bytes'] / 2**20:.1f}", f"{r['light_blocking_s_median'] * 1000:.1f} / "
+                     f"{r['save_blocking_s_median'] * 1000:.1f}"] for r in rows],
                    headers=["preset", "script", "ckpt MiB", "archived", "archive s (median)", "loop ms a save",
-                            "of a step", "step / without", "resume: local load s", "archive: fetch + load s"]))
+                            "of a step", "step / without", "resume: local load s", "archive: fetch + load s",
+                            "light MiB", "light / full save ms"]))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

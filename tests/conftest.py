@@ -98,6 +98,17 @@ def fsdp_four_ranks(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A local S3 server (harness/s3server.py: SeaweedFS's weed mini, keys required) for --archive; each
+    test archives under a prefix of its own in its bucket."""
+    from harness.s3server import S3Server
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
 def wait_for_step(run_dir, step, proc, rank=0):
     """Watch rank `rank`'s metrics until it has completed `step`: its step event, or None if the job ended
     first (a fault meant for that step then never fires, and the test must fail, not pass)."""

@@ -1,5 +1,6 @@
-"""--archive s3://bucket/prefix (common/archive.py), against a real S3 server (harness/s3server.py: SeaweedFS's
-`weed mini`, keys required, on loopback ports of its own). Each test has a prefix of its own in its bucket."""
+"""--archive s3://bucket/prefix (common/archive.py) and --light-every, against a real S3 server (conftest's s3:
+SeaweedFS's `weed mini`, keys required, on loopback ports of its own). Each test archives under a prefix of
+its own. rpc/ps.py's archive: tests/test_rpc.py's reference job."""
 import dataclasses
 import json
 import re
@@ -9,19 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from common.checkpoint import param_digest
+from common.model import ModelConfig, Transformer
 from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
 from harness import launch
 from harness.metrics import Watch
-from harness.s3server import BUCKET, S3Server, client
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop()
+from harness.s3server import BUCKET, client
 
 
 @pytest.fixture
@@ -32,42 +28,83 @@ def s3_env(s3, monkeypatch):
     return s3.env
 
 
+def light_digest(path):
+    """The digest of a light checkpoint's weights, loaded by plain torch.load into the model (strict keys)."""
+    model = Transformer(ModelConfig(vocab=64, seq_len=16, dim=32, layers=2, heads=2))  # SMALL's shape
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return param_digest(model.state_dict())
+
+
 def marked(fs, prefix):
     """The archived steps under `prefix` (their marker exists), oldest first."""
     return sorted(int(Path(m).parent.name[5:]) for m in fs.glob(f"{BUCKET}/{prefix}/step-*/ARCHIVED.json"))
 
 
-def test_a_lost_run_folder_resumes_from_the_archive_bitwise(tmp_path, s3, ddp_reference):
-    # The uploader is SIGKILLed before step 8's marker: the job starts another, and its training never waits.
-    # Then the run folder is lost, step 16's object is missing (its marker is whole: moved aside) and step
-    # 12 lost its marker (as a kill before it leaves it: never loaded): the job resumes from the newest
-    # whole step that is left, and ends with the weights of the job that never failed.
-    archive = "s3://ckpt/lost-folder"
-    flags = [*SMALL, *DROPOUT, "--keep", 1, "--archive", archive]
-    run = tmp_path / "run"
-    out = torchrun("ddp/train.py", 2, run, *flags, env={**s3.env, "FT_ARCHIVE_CRASH_AT_STEP": "8"})
-    output = out.stdout + out.stderr
-    assert "the archive's uploader dies before step 8's marker" in output
-    assert "archive: the uploader died (exit -9); starting another" in output
-    fs = s3.client()
-    done = summary(run)
-    assert done["param_digest"] == summary(ddp_reference)["param_digest"]
-    assert 16 in done["archived"] and set(done["archived"]) <= set(marked(fs, "lost-folder")) <= {4, 8, 12, 16}
-    assert [e["step"] for e in metrics(run, 0, "archive")] == done["archived"]
-    assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == ["step-00000016.pt"]  # --keep 1, once archived
+# One job for the tests below: 1 rank, 400 steps, a save every 25; its uploader SIGKILLs itself before
+# step 50's marker; the store goes down (SIGKILL) once a checkpoint is archived and comes back once an
+# upload has failed. Training is never interrupted (no restart), so its digest is the reference.
+FLAGS = ["--steps", 400, "--save-every", 25, "--dim", 32, "--layers", 2, "--heads", 2, "--seq-len", 16,
+         "--batch-size", 12, "--log-every", 1000, *DROPOUT, "--keep", 2, "--archive", "s3://ckpt/long",
+         "--light-every", 100, "--light-keep", 2]
+SAVES = list(range(25, 401, 25))
 
+
+@pytest.fixture(scope="module")
+def long_job(tmp_path_factory, s3):
+    run = tmp_path_factory.mktemp("archive-long") / "run"
+    cmd, env = launch.torchrun("ddp/train.py", 1, run, FLAGS, env={**s3.env, "FT_ARCHIVE_CRASH_AT_STEP": "50"})
+    job, watch = launch.start(cmd, env, run.parent / "job.log"), Watch(run)
+    try:
+        assert watch.first("archive", job), "the job ended before its first archive"
+        s3.stop(crash=True)
+        failed = watch.first("archive_failed", job)  # logged at a save after the failed attempt
+        assert failed, "no upload failed while the store was down"
+    finally:
+        s3.start()
+    up_since = time.time()
+    code, output, hung = launch.finish(job, time.time() + 240)
+    assert not launch.problems(run, code, output), output[-3000:]
+    return run, output, failed, up_since
+
+
+def test_a_dead_uploader_and_a_store_down_hold_up_no_step_and_lose_no_checkpoint(long_job, s3):
+    # The uploader is started again and sends its step again; each failed upload is a line and an event,
+    # training goes on meanwhile; keep-K deletes nothing unarchived; once the store is back, every
+    # checkpoint of the job is archived, and the job's end waits for the last one.
+    run, output, failed, up_since = long_job
+    assert "the archive's uploader dies before step 50's marker" in output
+    assert "archive: the uploader died (exit -9); starting another" in output
+    assert re.search(r"archive: step \d+: attempt 1 failed \(\w+", output), output[-3000:]
+    steps = [e["time"] for e in metrics(run, 0, "step")]
+    assert any(failed["time"] < t < up_since for t in steps), ("nothing trained meanwhile", failed, up_since, steps[-1])
+    assert marked(s3.client(), "long") == SAVES == summary(run)["archived"]
+    assert {e["step"] for e in metrics(run, 0, "archive_failed")} <= set(SAVES)  # each failed one archived since
+    assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == ["step-00000375.pt", "step-00000400.pt"]
+    # The light series: plain state dicts of the model, --light-keep of them.
+    assert sorted(p.name for p in (run / "light").iterdir()) == ["step-00000300.pt", "step-00000400.pt"]
+    assert light_digest(run / "light" / "step-00000400.pt") == summary(run)["param_digest"]
+
+
+def test_a_lost_run_folder_resumes_from_the_newest_whole_archived_step_bitwise(long_job, s3, tmp_path):
+    # The run folder is lost but for its light checkpoints (never resumed from); in the store, step 400's
+    # object is missing (its marker whole: moved aside) and step 375 lost its marker (as a kill before it
+    # leaves it: never loaded). The job resumes from step 350 and ends with the same weights.
+    run, _, _, _ = long_job
+    reference = summary(run)["param_digest"]
+    shutil.copytree(run / "light", tmp_path / "light")
     shutil.rmtree(run)
-    fs.rm_file(f"{BUCKET}/lost-folder/step-00000016/step-00000016.pt")
-    fs.rm_file(f"{BUCKET}/lost-folder/step-00000012/ARCHIVED.json")
-    whole = max(s for s in marked(fs, "lost-folder") if s < 12)
-    out = torchrun("ddp/train.py", 2, run, *flags, env=s3.env)
+    shutil.copytree(tmp_path / "light", run / "light")
+    fs = s3.client()
+    fs.rm_file(f"{BUCKET}/long/step-00000400/step-00000400.pt")
+    fs.rm_file(f"{BUCKET}/long/step-00000375/ARCHIVED.json")
+    out = torchrun("ddp/train.py", 1, run, *FLAGS, env=s3.env)
     output = out.stdout + out.stderr
-    assert "archive: moved step 16 aside" in output and f"fetched step {whole} from {archive}" in output
-    assert fs.exists(f"{BUCKET}/lost-folder/step-00000012/step-00000012.pt")  # never deleted, never loaded
-    assert len(fs.glob(f"{BUCKET}/lost-folder/unreadable/step-00000016-*/ARCHIVED.json")) == 1  # kept, aside
-    assert [e["step"] for e in metrics(run, 0, "fetch")] == [whole] == [summary(run)["resumed_from_step"]]
-    assert summary(run)["param_digest"] == summary(ddp_reference)["param_digest"]
-    assert 16 in marked(fs, "lost-folder")  # trained again and archived again
+    assert "archive: moved step 400 aside" in output and "fetched step 350 from s3://ckpt/long" in output
+    assert len(fs.glob(f"{BUCKET}/long/unreadable/step-00000400-*/ARCHIVED.json")) == 1  # kept, aside
+    assert fs.exists(f"{BUCKET}/long/step-00000375/step-00000375.pt")  # never deleted
+    assert [e["step"] for e in metrics(run, 0, "fetch")] == [350] == [summary(run)["resumed_from_step"]]
+    assert summary(run)["param_digest"] == reference
+    assert 375 in marked(fs, "long") and 400 in marked(fs, "long")  # trained again, archived again
 
 
 def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s3_env, monkeypatch):
@@ -95,45 +132,17 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     assert not (tmp_path / "run").exists()
 
 
-def test_a_store_down_for_a_while_holds_up_no_step_and_the_uploads_catch_up(tmp_path, s3):
-    # The store stops once the first checkpoint is archived. Training goes on; each failed upload is one
-    # line and an event, and keep-K deletes nothing unarchived; the store returns, and every checkpoint of
-    # the job ends up archived.
-    flags = ["--steps", 600, "--save-every", 30, "--dim", 32, "--layers", 2, "--heads", 2, "--seq-len", 16,
-             "--batch-size", 12, "--log-every", 100, "--keep", 2, "--archive", "s3://ckpt/store-down"]
-    cmd, env = launch.torchrun("ddp/train.py", 1, tmp_path, flags, env=s3.env)
-    job, watch = launch.start(cmd, env, tmp_path / "job.log"), Watch(tmp_path)
-    try:
-        assert watch.first("archive", job), "the job ended before its first archive"
-        s3.stop()
-        failed = watch.first("archive_failed", job)  # logged at a save after the failed attempt
-        assert failed, "no upload failed while the store was down"
-    finally:
-        s3.start()
-    up_since = time.time()
-    code, output, hung = launch.finish(job, time.time() + 240)
-    assert not launch.problems(tmp_path, code, output), output[-3000:]
-    steps = [e["time"] for e in metrics(tmp_path, 0, "step")]
-    assert any(failed["time"] < t < up_since for t in steps), ("nothing trained meanwhile", failed, up_since, steps[-1])
-    assert re.search(r"archive: step \d+: attempt 1 failed \(\w+", output), output[-3000:]
-    assert marked(s3.client(), "store-down") == list(range(30, 601, 30)), output[-3000:]
-    assert max(e["attempts"] for e in metrics(tmp_path, 0, "archive")) > 1
-    assert len(list((tmp_path / "ckpt").glob("step-*.pt"))) == 2, output[-3000:]  # --keep 2, once all are archived
-
-
-@pytest.mark.parametrize("script, nproc, then", [("fsdp/train.py", 2, 3), ("rpc/ps.py", 3, 3)])
-def test_fsdp_and_rpc_resume_from_the_archive(tmp_path, s3, script, nproc, then):
-    # FSDP's DCP folder (an async save) resumes at another world size, resharded; the parameter server's
-    # file as ddp's does. Nothing is left to train: exactly the archived weights.
-    flags = [*SMALL, "--archive", f"s3://ckpt/{script.split('/')[0]}",
-             *(["--async-save"] if script.startswith("fsdp") else [])]
+def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, s3):
+    # FSDP's DCP folders (async saves) resume at 1 rank from the archive, resharded: nothing is left to
+    # train, exactly the archived weights. Its light series gathers the shards on rank 0.
+    flags = [*SMALL, "--archive", "s3://ckpt/fsdp", "--async-save", "--light-every", 8]
     run = tmp_path / "run"
-    torchrun(script, nproc, run, *flags, env=s3.env)
+    torchrun("fsdp/train.py", 2, run, *flags, env=s3.env)
     saved = summary(run)
-    assert saved["archived"] == [4, 8, 12, 16] == marked(s3.client(), script.split("/")[0])
+    assert saved["archived"] == [4, 8, 12, 16] == marked(s3.client(), "fsdp")
+    assert [e["step"] for e in metrics(run, 0, "light")] == [8, 16]
+    assert light_digest(run / "light" / "step-00000016.pt") == saved["param_digest"]
     shutil.rmtree(run)
-    out = torchrun(script, then, run, *flags, env=s3.env)
-    assert "fetched step 16" in out.stdout and "resuming from step 16" in out.stdout
-    if script.startswith("fsdp"):
-        assert "resharded from 2 to 3 ranks" in out.stdout
+    out = torchrun("fsdp/train.py", 1, run, *flags, env=s3.env)
+    assert "fetched step 16" in out.stdout and "resharded from 2 to 1 ranks" in out.stdout
     assert summary(run)["param_digest"] == saved["param_digest"]

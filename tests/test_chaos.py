@@ -13,9 +13,10 @@ from conftest import run_sh
 # and crash-at-step (test_ddp.py's preemption and docstring-launch tests), crash-in-save
 # (test_ddp.py, test_rpc.py), async-in-flight (test_fsdp.py), damage-newest (test_ddp.py's truncated
 # checkpoint), sigkill (test_compare.py's goodput test kills a worker under torchrun); two-faults, a
-# second crash recovered as the first (rpc's: test_rpc.py), only there.
+# second crash recovered as the first (rpc's: test_rpc.py), only there; disk-lost (test_archive.py's lost
+# run folder resumed from the archive).
 OWN_TESTS = {"node-lost", "preempt", "crash-at-step", "crash-in-save", "async-in-flight", "damage-newest",
-             "two-faults", "sigkill"}
+             "two-faults", "sigkill", "disk-lost"}
 PLAN = ["sigstop:fsdp-async", "sigterm:fsdp-async", "transient-read:fsdp-async"]
 
 

@@ -22,17 +22,20 @@ ps = load_script(REPO / "rpc" / "ps.py")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 3-process job (a server, 2 trainers) that the crash tests compare against."""
+def reference(tmp_path_factory, s3):
+    """The uninterrupted 3-process job (a server, 2 trainers) that the crash tests compare against; it
+    archives its checkpoints (--archive, to conftest's S3 server: the rest of the archive in test_archive.py)."""
     run_dir = tmp_path_factory.mktemp("rpc-reference")
-    torchrun("rpc/ps.py", 3, run_dir, *SMALL)
+    torchrun("rpc/ps.py", 3, run_dir, *SMALL, "--archive", "s3://ckpt/rpc-reference", env=s3.env)
     return summary(run_dir)
 
 
 # ----------------------------------------------------------------------------- crash and resume
-def test_uninterrupted_run_writes_the_summary(reference):
+def test_uninterrupted_run_writes_the_summary_and_archives_every_checkpoint(reference, s3):
     assert reference["strategy"] == "rpc" and reference["steps"] == 16 and reference["world_size"] == 3
     assert reference["resumed_from_step"] is None and reference["restarts"] == 0 and reference["trainers_lost"] == 0
+    markers = s3.client().glob("ckpt/rpc-reference/step-*/ARCHIVED.json")
+    assert reference["archived"] == [4, 8, 12, 16] == sorted(int(m.split("/")[-2][5:]) for m in markers)
 
 
 @pytest.mark.parametrize("flags, crash, resumed_from", [
