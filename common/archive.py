@@ -218,7 +218,7 @@ class Archive:
         self.start()
 
     def start(self):
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         if self.proc is not None:
             env.pop(FAULT, None)  # a fault fires once
         self.proc = subprocess.Popen([sys.executable, "-m", "common.archive", self.url, str(os.getpid())],

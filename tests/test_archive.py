@@ -87,8 +87,9 @@ def test_a_dead_uploader_and_a_store_down_hold_up_no_step_and_lose_no_checkpoint
 
 def test_a_lost_run_folder_resumes_from_the_newest_whole_archived_step_bitwise(long_job, s3, tmp_path):
     # The run folder is lost but for its light checkpoints (never resumed from); in the store, step 400's
-    # object is missing (its marker whole: moved aside) and step 375 lost its marker (as a kill before it
-    # leaves it: never loaded). The job resumes from step 350 and ends with the same weights.
+    # object is missing (its marker whole: moved aside), step 375 lost its marker (as a kill before it
+    # leaves it: never loaded) and an upload of a large file was left unfinished (the next uploader
+    # aborts it). The job resumes from step 350 and ends with the same weights.
     run, _, _, _ = long_job
     reference = summary(run)["param_digest"]
     shutil.copytree(run / "light", tmp_path / "light")
@@ -97,12 +98,15 @@ def test_a_lost_run_folder_resumes_from_the_newest_whole_archived_step_bitwise(l
     fs = s3.client()
     fs.rm_file(f"{BUCKET}/long/step-00000400/step-00000400.pt")
     fs.rm_file(f"{BUCKET}/long/step-00000375/ARCHIVED.json")
+    fs.call_s3("create_multipart_upload", Bucket=BUCKET, Key="long/step-00000350/__0_0.distcp")
     out = torchrun("ddp/train.py", 1, run, *FLAGS, env=s3.env)
     output = out.stdout + out.stderr
     assert "archive: moved step 400 aside" in output and "fetched step 350 from s3://ckpt/long" in output
     assert len(fs.glob(f"{BUCKET}/long/unreadable/step-00000400-*/ARCHIVED.json")) == 1  # kept, aside
     assert fs.exists(f"{BUCKET}/long/step-00000375/step-00000375.pt")  # never deleted
     assert [e["step"] for e in metrics(run, 0, "fetch")] == [350] == [summary(run)["resumed_from_step"]]
+    assert "archive: aborted an unfinished upload of long/step-00000350/__0_0.distcp" in output
+    assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix="long").get("Uploads")
     assert summary(run)["param_digest"] == reference
     assert 375 in marked(fs, "long") and 400 in marked(fs, "long")  # trained again, archived again
 
