@@ -356,6 +356,7 @@ def fetch_newest(url, ckpt_dir):
 def download(fs, src, ckpt_dir):
     """Download the archived step `src` into a temp folder, checking each file against the marker, and
     commit it as ckpt_dir/<name> by one rename. Returns (bytes, name); raises Damaged."""
+    from common.checkpoint import fsync_dir as fsync  # (the training process's: torch is imported there)
     manifest = json.loads(fs.cat_file(f"{src}/{MARKER}"))
     name, files = manifest["name"], manifest["files"]
     tmp = ckpt_dir / f".fetch-{name}-{os.getpid()}"
@@ -378,14 +379,6 @@ def download(fs, src, ckpt_dir):
                 f.unlink()
             tmp.rmdir()
     return sum(f["bytes"] for f in files.values()), name
-
-
-def fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def move_aside(fs, url, step, why):

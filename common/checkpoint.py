@@ -592,7 +592,7 @@ class BaseCheckpointer:
         start). Returns the step resumed from, or None."""
         step = self.load_from_memory() if self.snapshots else None
         if self.rank == 0:  # --archive: a run folder without checkpoints gets the archive's newest
-            fetch_archived(self.cfg, self.ckpt_dir, self.monitor)
+            fetch_archived(self.cfg, self.ckpt_dir, self.monitor, fetch=step is None)
         if step is None:
             step = self.load()
         self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
@@ -630,15 +630,16 @@ def prune_and_archive(cfg, ckpt_dir, step, monitor):
         archive.committed(step, next(path for s, path in checkpoints(ckpt_dir) if s == step), monitor)
 
 
-def fetch_archived(cfg, ckpt_dir, monitor):
+def fetch_archived(cfg, ckpt_dir, monitor, fetch=True):
     """Before a resume, on rank 0, with --archive: a run folder that holds no committed checkpoint gets the
-    archive's newest whole step, where the script's load finds it; the newest local commit goes to the
-    uploader (an earlier attempt may have ended before it was archived). A store that does not answer
-    is a crash (torchrun tries again), never a fresh start over the archive."""
+    archive's newest whole step (unless the memory tier restored a step: `fetch` False), where the
+    script's load finds it; the newest local commit goes to the uploader (an earlier attempt may have
+    ended before it was archived). A store that does not answer is a crash (torchrun tries again), never
+    a fresh start over the archive."""
     archive = archive_of(cfg)
     if archive is None:
         return
-    if not checkpoints(ckpt_dir):
+    if fetch and not checkpoints(ckpt_dir):
         from common.archive import fetch_newest
         try:
             step, nbytes, seconds = fetch_newest(cfg.archive, ckpt_dir)
