@@ -281,7 +281,8 @@ class Archive:
             if not result.get("already", True):
                 print(f"archived step {result['step']} ({result['bytes'] / 2**20:.1f} MiB in {result['seconds']:.2f} s,"
                       f" {result['attempts']} attempt{'s' * (result['attempts'] > 1)})", flush=True)
-        self.archived += [r["step"] for r in self.done if "failed" not in r]
+        self.archived += [{k: r[k] for k in ("step", "bytes", "seconds", "attempts")} for r in self.done
+                          if "failed" not in r]  # for the summary
         self.done = []
 
     def close(self, wait_s, monitor):
@@ -302,7 +303,8 @@ class Archive:
             self.log(monitor)  # as they come: a store down at the end shows in the metrics before it returns
         self.take()
         self.log(monitor)
-        monitor.event("archive_end", archived=self.archived, not_archived=sorted(self.held), blocked_s=self.blocked_s)
+        monitor.event("archive_end", archived=[r["step"] for r in self.archived], not_archived=sorted(self.held),
+                      blocked_s=self.blocked_s)
         if self.held:
             print(f"archive: gave up after {wait_s:.0f} s: step {', '.join(map(str, sorted(self.held)))} is "
                   f"committed in the run folder but not archived in {self.url}", flush=True)

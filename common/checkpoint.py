@@ -512,7 +512,7 @@ class BaseCheckpointer:
         self.ckpt_dir = Path(cfg.run_dir) / "ckpt"
         self.save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
         self.pending = None  # the save in flight (--async-save), if any
-        self.archived = None  # --archive, rank 0: the steps this attempt archived, once finish() has waited
+        self.archived = None  # --archive, rank 0: what this attempt archived (step, bytes, seconds, attempts)
 
     def save(self, step, stop=False):
         """After step `step`: a memory snapshot (copied in a thread while the next step computes) and a
@@ -550,7 +550,8 @@ class BaseCheckpointer:
         if self.rank == 0:
             try:
                 light_dir.mkdir(exist_ok=True)
-                nbytes = atomic_save({k: v.detach().cpu() for k, v in weights.items()}, light_dir / step_name(step, ".pt"))
+                path = light_dir / step_name(step, ".pt")
+                nbytes = atomic_save({k: v.detach().cpu() for k, v in weights.items()}, path)
                 prune(light_dir, self.cfg.light_keep, step)
             except OSError as e:
                 error = e
@@ -656,8 +657,8 @@ def fetch_archived(cfg, ckpt_dir, monitor, fetch=True):
 
 def close_archive(cfg, ckpt_dir, monitor):
     """At the end of a job, on rank 0, with --archive: wait up to --timeout-s for the uploader (a finished
-    run is whole in the store), then apply keep-K to what it held back. Returns the steps this attempt
-    archived, for the summary; None without --archive."""
+    run is whole in the store), then apply keep-K to what it held back. Returns what this attempt archived
+    (step, bytes, seconds, attempts each), for the summary; None without --archive."""
     archive = archive_of(cfg)
     if archive is None:
         return None
