@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,6 +343,8 @@ def fetch_newest(url, ckpt_dir):
     (None, 0, 0) if none is. A marked step whose objects are missing or differ is moved aside in the
     archive and the previous one is tried."""
     fs, t0 = filesystem(), time.perf_counter()
+    for stale in Path(ckpt_dir).glob(".fetch-*"):  # a download killed before its rename (the lookup ignores it)
+        shutil.rmtree(stale, ignore_errors=True)
     for step in marked_steps(fs, url):
         src = f"{base(url)}/step-{step:08d}"
         try:
