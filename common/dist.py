@@ -196,8 +196,8 @@ def exit_without_finalizing():
 
 # What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
 # answers by restarting the workers.
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-             "Timed out", "timed out", "timeout caused pair closure")
+PEER_HUNG = ("Timed out", "timed out", "timeout caused pair closure")
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused", *PEER_HUNG)
 
 
 @contextlib.contextmanager
@@ -216,9 +216,37 @@ def peer_loss_in_one_line(run_dir):
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, restart {restarts()}\n{traceback.format_exc()}")
         then = ("the supervisor will start a process in its place" if os.environ.get("FT_STORE")  # --survivors
                 else "torchrun will restart the workers")
-        print(f"rank {rank}: peer lost ({reason}); {then} (traceback: {path})",
+        fenced = fence_local_workers() if reason in PEER_HUNG and not os.environ.get("FT_STORE") else []
+        print(f"rank {rank}: peer lost ({reason}); {then} (traceback: {path})"
+              + (f"; SIGKILLed this node's other workers first: pids {fenced}" if fenced else ""),
               file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+def fence_local_workers():
+    """After a collective timed out (a peer hangs: it did not die): SIGKILL the other workers of this
+    node's torchrun agent (the children of this process's parent in the same torchrun run), and return
+    their pids. torchrun would stop them all anyway, but with SIGTERM, then its SIGKILL 30 s later: the
+    only signal that a stopped (SIGSTOP) or deadlocked process obeys. A SIGKILL at any moment is what the
+    checkpoints and the memory tier are made to survive. (--survivors: its supervisor fences.)"""
+    me, agent, run_id = os.getpid(), os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID")
+    killed = []
+    if run_id is None:  # not under torchrun: no agent, no siblings
+        return killed
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if pid == me or parent != agent:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"TORCHELASTIC_RUN_ID={run_id}".encode() not in f.read().split(b"\0"):
+                    continue
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return killed
 
 
 def teardown(timeout_s=10):

