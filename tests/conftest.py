@@ -89,12 +89,18 @@ def fsdp_reference(tmp_path_factory):
     return run_dir
 
 
+FOUR_RANKS_ARCHIVE = "fsdp-4-ranks"  # the prefix of fsdp_four_ranks's archive in the s3 fixture's bucket
+
+
 @pytest.fixture(scope="session")
-def fsdp_four_ranks(tmp_path_factory):
+def fsdp_four_ranks(tmp_path_factory, s3):
     """The uninterrupted 4-rank FSDP job (SMALL: 16 steps; checkpoints 8, 12 and 16 kept), for the
-    resharding and two-node tests. SMALL's global batch of 12 splits over 4, 3 and 2 ranks."""
+    resharding and two-node tests. SMALL's global batch of 12 splits over 4, 3 and 2 ranks. Its saves
+    are async, archived (to FOUR_RANKS_ARCHIVE) and a light series every 8 steps: test_archive.py's
+    FSDP test (none of these changes the weights)."""
     run_dir = tmp_path_factory.mktemp("fsdp-4-ranks")
-    torchrun("fsdp/train.py", 4, run_dir, *SMALL)
+    torchrun("fsdp/train.py", 4, run_dir, *SMALL, "--async-save", "--archive", f"s3://ckpt/{FOUR_RANKS_ARCHIVE}",
+             "--light-every", 8, env=s3.env)
     return run_dir
 
 

@@ -14,7 +14,7 @@ import torch
 
 from common.checkpoint import param_digest
 from common.model import ModelConfig, Transformer
-from conftest import DROPOUT, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
+from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
 from harness import launch
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
@@ -136,17 +136,14 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     assert not (tmp_path / "run").exists()
 
 
-def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, s3):
-    # FSDP's DCP folders (async saves) resume at 1 rank from the archive, resharded: nothing is left to
-    # train, exactly the archived weights. Its light series gathers the shards on rank 0.
-    flags = [*SMALL, "--archive", "s3://ckpt/fsdp", "--async-save", "--light-every", 8]
+def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, fsdp_four_ranks, s3):
+    # The 4-rank FSDP job's DCP folders (async saves) resume at 1 rank from the archive, resharded:
+    # nothing is left to train, exactly the archived weights. Its light series gathers the shards on rank 0.
+    saved = summary(fsdp_four_ranks)
+    assert [a["step"] for a in saved["archived"]] == [4, 8, 12, 16] == marked(s3.client(), FOUR_RANKS_ARCHIVE)
+    assert [e["step"] for e in metrics(fsdp_four_ranks, 0, "light")] == [8, 16]
+    assert light_digest(fsdp_four_ranks / "light" / "step-00000016.pt") == saved["param_digest"]
     run = tmp_path / "run"
-    torchrun("fsdp/train.py", 2, run, *flags, env=s3.env)
-    saved = summary(run)
-    assert [a["step"] for a in saved["archived"]] == [4, 8, 12, 16] == marked(s3.client(), "fsdp")
-    assert [e["step"] for e in metrics(run, 0, "light")] == [8, 16]
-    assert light_digest(run / "light" / "step-00000016.pt") == saved["param_digest"]
-    shutil.rmtree(run)
-    out = torchrun("fsdp/train.py", 1, run, *flags, env=s3.env)
-    assert "fetched step 16" in out.stdout and "resharded from 2 to 1 ranks" in out.stdout
+    out = torchrun("fsdp/train.py", 1, run, *SMALL, "--archive", f"s3://ckpt/{FOUR_RANKS_ARCHIVE}", env=s3.env)
+    assert "fetched step 16" in out.stdout and "resharded from 4 to 1 ranks" in out.stdout
     assert summary(run)["param_digest"] == saved["param_digest"]
