@@ -78,6 +78,19 @@ def ddp_reference(tmp_path_factory):
     return run_dir
 
 
+# A job long enough to be signalled, or to lose a node, while it trains: 100 steps (over a second) after
+# step 20, its first save at step 60.
+LONG = [*SMALL, *DROPOUT, "--steps", "120", "--save-every", "60"]
+
+
+@pytest.fixture(scope="session")
+def ddp_long_reference(tmp_path_factory):
+    """The run folder of the uninterrupted 2-rank DDP job of LONG, for the preemption and replaced-node tests."""
+    run_dir = tmp_path_factory.mktemp("ddp-long-reference")
+    torchrun("ddp/train.py", 2, run_dir, *LONG)
+    return run_dir
+
+
 PEAK_TFLOPS = 0.5  # a bf16 peak for the CPU, so that fsdp_reference logs MFU as on a GPU
 
 

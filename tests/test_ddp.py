@@ -21,7 +21,7 @@ from common.config import parse_config
 from common.tokens import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
-from conftest import (DROPOUT, LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, run_sh, summary,
+from conftest import (DROPOUT, LONG, LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, run_sh, summary,
                       torchrun, wait_for_step)
 
 SCRIPT = "ddp/train.py"
@@ -370,13 +370,12 @@ def test_trains_on_a_text_file_or_a_token_file(tmp_path, kind):
     assert result["world_size"] == 1 and result["steps"] == 8 and result["final_loss"] < math.log(vocab)
 
 
-def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path):
+def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaunch_ends_bitwise(tmp_path,
+                                                                                                 ddp_long_reference):
     # A preemption as Slurm's --signal=USR1@SECONDS makes it: run.sh gets SIGUSR1, passes it to torchrun,
     # whose agent passes it to the workers (--signals-to-handle), which finish their step, agree, save it
     # and exit; the next launch loses no step. (A worker's own SIGTERM: the chaos soak's sigterm kind.)
-    flags = [*SMALL, *DROPOUT, "--steps", 120, "--save-every", 60]  # 100 steps (over a second) after step 20
-    reference = tmp_path / "reference"
-    torchrun(SCRIPT, 2, reference, *flags)
+    flags = LONG
     run_dir = tmp_path / "preempted"
     # A job on one machine listens on the loopback only (its stores, gloo): nobody else can reach it,
     # even with a rendezvous endpoint (the README's Slurm file sets one) and a host name that resolves
@@ -402,4 +401,4 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     assert 1 <= step - max(logged_before, default=0) <= 2
     proc = torchrun(SCRIPT, 2, run_dir, *flags)
     assert f"resuming from step {step}" in proc.stdout
-    assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]
+    assert summary(run_dir)["param_digest"] == summary(ddp_long_reference)["param_digest"]

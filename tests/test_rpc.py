@@ -40,18 +40,16 @@ def test_uninterrupted_run_writes_the_summary_and_archives_every_checkpoint(refe
     assert all(a["bytes"] > 0 and a["seconds"] > 0 and a["attempts"] == 1 for a in reference["archived"])
 
 
-@pytest.mark.parametrize("flags, crash, resumed_from", [
-    (["--crash-at-step", 6, "--crash-rank", 0], "server after step 6", 4),  # after the update, before its save
-    (["--crash-in-save", 8], "server while saving step 8", 4),  # step 8's checkpoint is never committed
-], ids=["server", "server-mid-save"])  # a trainer's crash: test_killed_trainer_restarts_the_job
-def test_crash_resumes_to_the_same_weights(tmp_path, reference, flags, crash, resumed_from):
-    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, *flags, restarts=1)
-    assert f"injected crash: {crash}" in proc.stderr
-    assert f"resuming from step {resumed_from}" in proc.stdout
+def test_a_crash_in_the_servers_save_resumes_to_the_same_weights(tmp_path, reference):
+    # Step 8's checkpoint is never committed. (A crash after an update, before its save, and a trainer's
+    # crash: test_server_and_trainer_crashes_restart_the_job.)
+    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, "--crash-in-save", 8, restarts=1)
+    assert "injected crash: server while saving step 8" in proc.stderr
+    assert "resuming from step 4" in proc.stdout
     s = summary(tmp_path)
-    assert s["restarts"] == 1 and s["resumed_from_step"] == resumed_from
+    assert s["restarts"] == 1 and s["resumed_from_step"] == 4
     assert s["steps"] == 16 and s["param_digest"] == reference["param_digest"]
-    assert [e["step"] for e in metrics(tmp_path, 0, "load")] == [resumed_from]
+    assert [e["step"] for e in metrics(tmp_path, 0, "load")] == [4]
 
 
 # ----------------------------------------------------------------------------- lost trainers
@@ -78,23 +76,30 @@ def kill_at_end():
             proc.wait()
 
 
-def test_killed_trainer_restarts_the_job(tmp_path, reference, kill_at_end):
-    # A trainer killed for real: torchrun sees its worker die and restarts the group (long before the
-    # server would drop it), and the server resumes from its checkpoint with every trainer.
+def test_server_and_trainer_crashes_restart_the_job(tmp_path, reference, kill_at_end):
+    # The server crashes after step 6's update, before its save; the restarted job resumes from step 4.
+    # Then a trainer is killed for real: torchrun sees its worker die and restarts the group (long before
+    # the server would drop it), and the server resumes from its checkpoint with every trainer.
     run_dir = tmp_path / "run"
-    proc, pids = start_job(run_dir, 3, wrap=lambda cmd: named_on_the_network(cmd, tmp_path))
+    proc, _ = start_job(run_dir, 3, "--crash-at-step", 6, "--crash-rank", 0,
+                        wrap=lambda cmd: named_on_the_network(cmd, tmp_path))
     kill_at_end(proc)
-    assert Watch(run_dir).first("step", proc, time.time() + 120, min_step=6)
+    deadline, watch = time.time() + 120, Watch(run_dir)
+    assert watch.first("load", proc, deadline)  # the first restart resumes (the first attempt started fresh)
+    trainer_2 = workers(proc.pid, attempt=1)[2]  # looked up now: a step of this job takes milliseconds
+    assert watch.first("step", proc, deadline, min_step=7)  # the first attempt never got past 6
     # On one machine every listener (the store, TensorPipe's, gloo's) is on the loopback, though the
     # host's name resolves to its network address.
     sockets = listening(proc.pid)
     assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
-    os.kill(pids[2], signal.SIGKILL)
+    os.kill(trainer_2, signal.SIGKILL)
     code, output, _ = launch.finish(proc, time.time() + 120)
-    assert launch.problems(run_dir, code, output, restarts=1) == [], output[-4000:]
+    assert launch.problems(run_dir, code, output, restarts=2) == [], output[-4000:]
+    assert "injected crash: server after step 6" in output
     s = summary(run_dir)
     assert s["steps"] == 16 and s["trainers_lost"] == 0 and s["param_digest"] == reference["param_digest"]
-    assert [e["step"] for e in metrics(run_dir, 0, "load")] == [s["resumed_from_step"]]
+    loads = [e["step"] for e in metrics(run_dir, 0, "load")]
+    assert loads[0] == 4 and loads[1:] == [s["resumed_from_step"]] and s["resumed_from_step"] >= 4, loads
 
 
 def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_at_end):

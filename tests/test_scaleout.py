@@ -13,7 +13,7 @@ import pytest
 from common import snapshot
 from harness.launch import ELASTIC_RDZV_CONF, finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import Watch, phases
-from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun, wait_for_step
+from conftest import LONG, REPO, SMALL, metrics, summary, torchrun, wait_for_step
 
 
 def nodes(script, nproc, run_dir, flags, nnodes):
@@ -62,16 +62,19 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
 
 @pytest.mark.parametrize("script, how", [("ddp/train.py", "the model and optimizer from rank 0"),
                                          ("fsdp/train.py", "their shards from the ranks that kept them")])
-def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, script, how):
+def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, script, how, request):
     # Two nodes of one rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole after
     # step 20, before the first disk save, and a new node takes its place with an empty memory. Its rank
     # restores the step from node 0: DDP's model and optimizer (the same on every rank) or FSDP's shards
     # of rank 1, which node 0 kept, and its RNG from the replica of its record: no step since the disk
     # save is replayed, only those since the last record node 0 received. (2:2 nodes: a fixed pair, with
     # the elastic settings that drop a lost node from the rendezvous in seconds, not 15.)
-    flags = [*SMALL, *DROPOUT, "--steps", 80, "--save-every", 40]  # 60 steps (about a second) after step 20
-    reference = tmp_path / "reference"
-    torchrun(script, 2, reference, *flags)
+    flags = LONG  # 100 steps (over a second) after step 20, the first disk save at step 60
+    if script == "ddp/train.py":
+        reference = request.getfixturevalue("ddp_long_reference")  # the preemption test's too
+    else:
+        reference = tmp_path / "reference"
+        torchrun(script, 2, reference, *flags)
     run = tmp_path / "run"
     start_node = nodes(script, 1, run, flags, nnodes="2:2")
     first = start_node(0, ["--snapshot-dir", tmp_path / "memory-0"])
