@@ -154,10 +154,20 @@ def test_resume_at_another_world_size(tmp_path, ddp_reference):
     assert (result["world_size"], result["steps"], result["resumed_from_step"]) == (1, 20, 16)
 
 
-def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(tmp_path):
-    # PEAK_TFLOPS gives the CPU a peak, so the MFU figures that a GPU run logs are checked here too.
-    single(tmp_path, "--steps", 150, "--save-every", 150, "--log-every", 1000, env={"PEAK_TFLOPS": "0.5"})
-    steps, result = metrics(tmp_path, 0, "step"), summary(tmp_path)
+@pytest.fixture(scope="module")
+def daly_job(tmp_path_factory):
+    """One process, 150 steps of the default model; PEAK_TFLOPS gives the CPU a peak, so the MFU figures
+    that a GPU run logs are checked here too. --save-every 0 with an MTBF of 1.8 s, so that the interval
+    Young and Daly give is a few steps: sqrt(2 x save x MTBF). Returns (run folder, its output)."""
+    run_dir = tmp_path_factory.mktemp("ddp-daly")
+    proc = single(run_dir, "--steps", 150, "--save-every", 0, "--mtbf-h", 0.0005, "--log-every", 1000,
+                  env={"PEAK_TFLOPS": "0.5"})
+    return run_dir, proc.stdout
+
+
+def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(daly_job):
+    run_dir, _ = daly_job
+    steps, result = metrics(run_dir, 0, "step"), summary(run_dir)
     losses = [e["loss"] for e in steps]
     assert losses[-1] < 0.6 * losses[0], (losses[0], losses[-1])
     flops_per_token = 6 * result["params"]  # one rank: MFU = 6 x params x tokens/s over the peak
@@ -308,20 +318,19 @@ def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path, monkeypatch):
     assert summary(tmp_path)["steps"] == 4
 
 
-def test_save_every_0_chooses_the_disk_interval_by_young_and_daly(tmp_path):
-    # An MTBF of 1.8 s, so that the interval is a few steps of the tiny job: sqrt(2 x save x MTBF).
-    proc = single(tmp_path, *SMALL, "--steps", 40, "--save-every", 0, "--mtbf-h", 0.0005)
+def test_save_every_0_chooses_the_disk_interval_by_young_and_daly(daly_job):
+    run_dir, stdout = daly_job
     chosen = re.findall(r"save every (\d+) steps: sqrt\(2 x ([\d.]+) ms a save x 0.0005 h between failures\) "
-                        r"= ([\d.]+) s, at ([\d.]+) ms a step \(Young and Daly\)", proc.stdout)
-    assert chosen, proc.stdout[-3000:]
+                        r"= ([\d.]+) s, at ([\d.]+) ms a step \(Young and Daly\)", stdout)
+    assert chosen, stdout[-3000:]
     for steps, save_ms, seconds, step_ms in chosen:
         assert float(seconds) == pytest.approx(math.sqrt(2 * float(save_ms) / 1000 * 1.8), abs=0.01)
         # The interval is round(seconds / step time) for some values the printed ones round to.
         low = (float(seconds) - 0.0005) / (float(step_ms) + 0.0005) * 1000
         high = (float(seconds) + 0.0005) / (float(step_ms) - 0.0005) * 1000
         assert round(low) <= int(steps) <= max(1, round(high)), (steps, seconds, step_ms)
-    saved = [e["step"] for e in metrics(tmp_path, 0, "save")]
-    assert saved[0] == 10 and saved[-1] == 40  # the first measures a save's cost; the last step is saved
+    saved = [e["step"] for e in metrics(run_dir, 0, "save")]
+    assert saved[0] == 10 and saved[-1] == 150  # the first measures a save's cost; the last step is saved
     assert all(any(s % int(c[0]) == 0 for c in chosen) for s in saved[1:-1]), (saved, chosen)
 
 

@@ -79,13 +79,9 @@ def test_a_damaged_memory_snapshot_is_refused_by_its_checksum_and_the_job_ends_b
 
 
 def test_reshard_4_to_3_ranks_then_continue(tmp_path, fsdp_four_ranks):
-    # 4 -> 2 ranks, trained on: the elastic test in test_scaleout.py that loses a node.
-    run_dir = copy_run(fsdp_four_ranks, tmp_path / "at-16")
-    proc = torchrun(SCRIPT, 3, run_dir, *SMALL)  # nothing left to train: exactly the saved weights
-    assert "resharded from 4 to 3 ranks" in proc.stdout and "resuming from step 16" in proc.stdout
-    assert summary(run_dir)["param_digest"] == summary(fsdp_four_ranks)["param_digest"]
-
-    # From the 4-rank step-8 checkpoint, train steps 9-16 on 3 ranks and export the weights as one file.
+    # 4 -> 2 ranks, trained on: the elastic test in test_scaleout.py that loses a node. 4 -> 1 with nothing
+    # left to train, exactly the saved weights: test_archive.py's FSDP test (from the archive).
+    # From the 4-rank step-8 checkpoint, train steps 9-16 on 3 ranks (uneven shards) and export the weights as one file.
     run_dir = copy_run(fsdp_four_ranks, tmp_path / "from-8")
     for step in (12, 16):
         shutil.rmtree(run_dir / "ckpt" / f"step-{step:08d}")
