@@ -2,6 +2,9 @@
 each job checked against its uninterrupted reference."""
 import json
 
+import pytest
+
+from harness import chaos
 from harness.chaos import KINDS
 from conftest import run_sh
 
@@ -41,11 +44,13 @@ def test_every_fault_kind_fires_in_training_and_the_job_recovers_bitwise(tmp_pat
     assert stop["detect_s"] < 25, stop
 
 
-def test_bad_flag_is_one_line_and_a_folder_of_the_users_is_never_emptied(tmp_path):
+def test_bad_flag_is_one_line_and_a_folder_of_the_users_is_never_emptied(tmp_path, capsys):
     proc = run_sh("chaos", "--strategies", "ddp,nope", "--out", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == "bash run.sh chaos: error: unknown or inapplicable: nope (see --help)"
     (tmp_path / "thesis.tex").write_text("not the soak's")
-    proc = run_sh("chaos", "--plan", "sigkill:ddp", "--out", tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip() == (f"bash run.sh chaos: error: --out {tmp_path} holds files that "
-                                                            "chaos did not write: name a new or empty folder (see --help)")
+    with pytest.raises(SystemExit) as exit_:  # the same check, in this process
+        chaos.main(["--plan", "sigkill:ddp", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"bash run.sh chaos: error: --out {tmp_path} holds files that chaos did not write: name a new or empty folder "
+        "(see --help)")
     assert [p.name for p in tmp_path.iterdir()] == ["thesis.tex"]

@@ -360,9 +360,7 @@ def test_a_failed_save_stops_the_job_and_keeps_the_previous_checkpoints(tmp_path
         proc = single(tmp_path, *SMALL, *flags, code=3, preexec_fn=file_size_limit)
         assert proc.stderr.strip().splitlines()[-1].endswith(
             "error: saving step 12 failed (File too large): the checkpoints of earlier steps are kept")
-        assert files(tmp_path) == before  # no temp file left behind, step 8 as it was
-    proc = single(tmp_path, *SMALL)  # space again: the job resumes from the last good checkpoint
-    assert "resuming from step 8" in proc.stdout and summary(tmp_path)["steps"] == 16
+        assert files(tmp_path) == before  # no temp file left behind, step 8 as it was, byte for byte
 
 
 @pytest.mark.parametrize("kind", ["text", "llm.c tokens"])
