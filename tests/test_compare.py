@@ -11,9 +11,10 @@ from conftest import REPO, run_sh
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    # The parameter server's columns are left out here: tests/test_rpc.py checks its crashes; `bash run.sh
-    # compare 4` measures it. At 2 ranks, not the README's 4: on 2 cores the jobs start in half the time.
-    proc = run_sh("compare", 2, "--quick", "--strategies", "ddp,fsdp,fsdp --async-save", "--format", "markdown",
+    # The parameter server's and sync FSDP's columns are left out here: tests/test_rpc.py and test_fsdp.py
+    # check their crashes; `bash run.sh compare 4` measures them (an async save's blocking against a sync
+    # save's too). At 2 ranks, not the README's 4: on 2 cores the jobs start in half the time.
+    proc = run_sh("compare", 2, "--quick", "--strategies", "ddp,fsdp --async-save", "--format", "markdown",
                   "--out", out, "--plot", out / "figures", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| model state / rank (measured)" in proc.stdout  # the table was printed
@@ -24,31 +25,30 @@ def results(tmp_path_factory):
 
 
 def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(results):
-    assert set(results["main"]) == {"ddp", "fsdp", "fsdp --async-save"}
+    assert set(results["main"]) == {"ddp", "fsdp --async-save"}
     for strategy, row in results["main"].items():
         assert row["resumed_digest_equal"], strategy
         assert row["steps_replayed"] > 0 and row["recovery_s"] > 0 and row["load_s"] > 0
 
 
 def test_fsdp_holds_at_most_055_of_ddp_model_state_per_rank_at_2_ranks(results):
-    ddp, fsdp = results["main"]["ddp"], results["main"]["fsdp"]
+    ddp, fsdp = results["main"]["ddp"], results["main"]["fsdp --async-save"]
     assert results["meta"]["world_size"] == 2
     # 16 bytes per parameter, replicated, plus AdamW's step counters (4 bytes per parameter tensor)
     assert ddp["state_bytes_theory"] <= ddp["state_bytes_per_rank"] <= 1.001 * ddp["state_bytes_theory"]
     assert fsdp["state_bytes_per_rank"] <= 0.55 * ddp["state_bytes_per_rank"]
 
 
-def test_async_save_blocks_the_loop_for_a_fraction_of_a_synchronous_save(results):
-    sync, async_ = results["main"]["fsdp"], results["main"]["fsdp --async-save"]
-    assert async_["save_blocking_s"] < async_["save_total_s"]
+def test_async_save_blocks_the_loop_for_a_fraction_of_its_save(results):
+    async_ = results["main"]["fsdp --async-save"]
     assert 0 < async_["save_staging_s"] < async_["save_total_s"]
-    # The loop waits for a fraction of what a synchronous save of the same state takes: 0.04-0.15 measured
-    # alone on 2 cores, 0.32 once beside other jobs; the bound leaves room for such a machine, not for a
-    # save that stalls the loop.
-    assert async_["blocking_vs_sync"] == async_["save_blocking_s"] / sync["save_total_s"] <= 0.5, async_
-    # Steps that overlapped the write are marked, so their slowdown is measured; no sync step overlaps one.
-    assert async_["step_slowdown_while_saving"] > 0 and sync["step_slowdown_while_saving"] is None
-    assert "blocking_vs_sync" not in sync and sync["save_staging_s"] is None
+    # The loop waits for a fraction of the save (staging and the background write): a synchronous save
+    # blocks for all of it. The bound leaves room for a busy machine, not for a save that stalls the loop.
+    # (Against a sync save of the same state, `bash run.sh compare 4`'s "blocking / total of the same
+    # strategy's sync save": 0.04-0.15 alone on 2 cores, 0.32 once beside other jobs.)
+    assert async_["save_blocking_s"] <= 0.5 * async_["save_total_s"], async_
+    # Steps that overlapped the write are marked, so their slowdown is measured; a sync save has none.
+    assert async_["step_slowdown_while_saving"] > 0 and results["main"]["ddp"]["step_slowdown_while_saving"] is None
 
 
 def test_ratios_to_the_disk_and_to_ddp_and_memory_are_measured_for_every_column(results):

@@ -154,27 +154,20 @@ def test_fsdp_and_ddp_losses_agree(fsdp_reference, ddp_reference):
 
 
 def test_a_shard_only_rank_peaks_in_training_at_a_fraction_of_a_ddp_rank(tmp_path):
-    # FSDP and DDP at 4 ranks, the same 14.2M-parameter model (54 MiB of fp32 weights), 3 steps, side by
-    # side. On CPU glibc keeps the block-sized buffers FSDP frees every step (all-gathered weights,
-    # unsharded gradients) in its heap, and a shard-only rank's RSS then grows each step to 5.9x the full
-    # model above its baseline (0.70 of DDP's). With a fixed mmap threshold those buffers go back to the
-    # OS when freed, and the RSS is what the rank holds: its state (here 1.0x the full model) and about
-    # four unsharded blocks in flight. Measured: 1.90x, 0.23 of DDP's 8.36x (README: FSDP, memory).
+    # FSDP at 4 ranks, a 14.2M-parameter model (54 MiB of fp32 weights), 3 steps. On CPU glibc keeps the
+    # block-sized buffers FSDP frees every step (all-gathered weights, unsharded gradients) in its heap,
+    # and a shard-only rank's RSS then grows each step to 5.9x the full model above its baseline. With a
+    # fixed mmap threshold those buffers go back to the OS when freed, and the RSS is what the rank
+    # holds: its state (here 1.0x the full model) and about four unsharded blocks in flight. Measured:
+    # 1.90x (README: FSDP, memory). A DDP rank holds at least 4x: weights, gradients and AdamW's two
+    # moments, whole (test_compare.py checks its state against that count); it measured 8.36x.
     shape = ["--dim", 384, "--layers", 8, "--heads", 4, "--vocab", 64, "--seq-len", 16, "--batch-size", 8,
              "--steps", 3, "--save-every", 100, "--log-every", 100,
              "--snapshot-every", 0]  # the memory tier's pages, touched by each rank, would count in its RSS
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    jobs = {name: launch.start(*launch.torchrun(script, 4, tmp_path / name, shape, env=env), log=tmp_path / f"{name}.log")
-            for name, script in (("fsdp", SCRIPT), ("ddp", "ddp/train.py"))}
-    peaks = {}
-    for name, proc in jobs.items():
-        code, output, hung = launch.finish(proc, time.time() + 240)
-        wrong = ["hung"] if hung else launch.problems(tmp_path / name, code, output)
-        assert not wrong, f"{name}: {wrong}\n{output[-3000:]}"
-        _, peaks[name] = training_peaks(events(tmp_path / name))  # the ranks other than 0: shards only
-    full = 4 * summary(tmp_path / "fsdp")["params"]
-    assert peaks["fsdp"] <= 0.4 * peaks["ddp"], (peaks, full)
-    assert peaks["fsdp"] <= 2.5 * full, (peaks, full)
+    torchrun(SCRIPT, 4, tmp_path, *shape, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    _, peak = training_peaks(events(tmp_path))  # the ranks other than 0: shards only
+    full = 4 * summary(tmp_path)["params"]
+    assert peak <= 2.5 * full, (peak, full)  # under DDP's 4x by more than a full model
 
 
 def test_export_to_a_folder_is_refused_before_training(tmp_path):
