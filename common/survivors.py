@@ -4,14 +4,20 @@ from the newest step that every rank can restore (the memory tier). Imported onl
 (--survivors, --spares): delete this module and those lines of a script to go without it.
 
 torchrun's agent stops all of its workers when one fails, and with its c10d rendezvous every node
-restarts too. Here the launcher (harness/launch.py) runs `supervise` instead of torchrun: one process
-per rank plus --spares waiting ones, each restarted alone when it dies, and the job's store, which
-outlives every worker (bound to the loopback: this mode runs on one node). The store holds:
-    gen                 the generation: the supervisor adds one for each rank it finds dead
-    vacancy/<n>         "<rank> <gen>": the n-th rank left by a dead process (count: vacancies)
-    claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch)
+restarts too. Here the launcher (harness/launch.py) runs a Supervisor on each node instead of torchrun:
+one process per rank of the node plus --spares waiting ones, each restarted alone when it dies. Node
+0's holds the job's store, which outlives every worker (on one node bound to the loopback; on several,
+to the address of RDZV_ENDPOINT). The store holds:
+    gen                 the generation: a supervisor adds one for each rank it finds dead
+    vacancy/<n>         "<rank> <gen> <node>": the n-th rank left by a dead process, for a process of
+                        that node, or of any ("any": its node was lost) (count: vacancies)
+    claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch,
+                        node by node)
     g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
     g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
+    node/<k>/...        node k's supervisor: its incarnation (one more each time it starts: a node that
+                        comes back starts only spares), its beat (one more every 0.1 s), lost (node 0
+                        found it silent: the incarnation it lost), done (its processes have ended)
     end                 the job is over: spares leave (woken by a last vacancy/<n> that says "end")
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
@@ -21,7 +27,9 @@ waits for the supervisor's next generation, forms it with the newcomer, and the 
 the newest step every rank holds, as a restart would, and redoes the steps after it. A frozen rank
 never dies: the supervisor kills a process stopped for --hang-timeout-s, and, once a survivor has
 reported a loss, whichever rank has not reported one within --hang-timeout-s (a fence: a stale
-process can never come back), and replaces it.
+process can never come back), and replaces it. A node lost whole (its supervisor silent for
+--hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares of any node: node 0's
+supervisor posts them; the lost node's own supervisor, if it was only cut off, kills its processes.
 """
 import concurrent.futures
 import contextlib
@@ -35,6 +43,8 @@ import threading
 import time
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
+NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
+BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 
@@ -46,7 +56,7 @@ def layout_problems(cfg, params):
     import torch
     if not cfg.survivors:
         return ["--spares needs --survivors"] if cfg.spares else []
-    processes = int(os.environ.get("WORLD_SIZE", 1)) + cfg.spares
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) + cfg.spares  # this node's
     if cfg.device == "cuda" and torch.cuda.device_count() < processes:
         return [f"--survivors --spares {cfg.spares}: {processes} processes need a GPU each, this node has "
                 f"{torch.cuda.device_count()}"]
@@ -90,6 +100,8 @@ class Team:
         host, port = os.environ[STORE].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])
+        self.nproc = int(os.environ[NPROC])
+        self.node, self.local_slot = divmod(self.slot, self.slots)  # slots are numbered node by node
         self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
         self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
 
@@ -98,31 +110,37 @@ class Team:
         form the generation, and set the environment the scripts read (RANK, WORLD_SIZE, ...). Returns
         (rank, world_size, device); None if the job ended while this process waited (a spare)."""
         from common.dist import keep_on_loopback, pick_device
-        keep_on_loopback()
-        device = pick_device(device_choice, self.slot, self.slots)  # a GPU per process, spares' included
-        first = self.slot < self.world and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.world == self.nproc:
+            keep_on_loopback()
+        device = pick_device(device_choice, self.local_slot, self.slots)  # a GPU per process, spares' included
+        first = FIRST_RANK in os.environ
         if first:
-            self.rank = self.slot
+            self.rank = int(os.environ[FIRST_RANK])
         else:
             warm_up(device)  # what every new process pays once, paid before it is needed
             self.rank = self.take_vacancy()
             if self.rank is None:
                 return None
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank),
-                          LOCAL_WORLD_SIZE=str(self.world))
+        # LOCAL_*: the rank's place on the node the launch gave it (the memory tier's copies and replicas
+        # follow it), even when a spare of another node holds it now.
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank % self.nproc),
+                          LOCAL_WORLD_SIZE=str(self.nproc))
         self.form(0 if first else None, device)
         return self.rank, self.world, device
 
     def take_vacancy(self):
-        """The rank of the oldest vacancy this slot wins, waiting for one; None once the job has ended."""
+        """The rank of the oldest vacancy for this node (or any) that this slot wins, waiting for one; None
+        once the job has ended."""
         import torch.distributed as dist
         while True:
             count = self.store.add("vacancies", 0)
             while self.seen < count:
                 self.seen += 1
+                rank, _, node = self.store.get(f"vacancy/{self.seen}").decode().split()
+                if node not in (str(self.node), "any"):  # a rank of another node: its spares' or its restart's
+                    continue
                 me = f"{self.slot} {os.getpid()}"  # this process, not its slot: a restarted one is another
                 if self.store.compare_set(f"claim/{self.seen}", "", me).decode() == me:
-                    rank, _ = self.store.get(f"vacancy/{self.seen}").decode().split()
                     print(f"slot {self.slot} (pid {os.getpid()}): takes rank {rank}", flush=True)
                     return int(rank)
             if self.store.check(["end"]):
@@ -185,8 +203,11 @@ class Team:
         from common.dist import set_collective_timeout
         t0, lost_at = time.perf_counter(), time.time()
         snapshots = checkpointer.snapshots
+        if snapshots and snapshots.copying is not None:  # a copy in flight ends (whole, or not recorded); one
+            with contextlib.suppress(Exception):  # cut short by the lost peer (a replica's exchange) is not news:
+                snapshots.copying.result()  # the tier is opened again over the new group below
+            snapshots.copying = None
         if snapshots:
-            snapshots.wait()  # a copy in flight ends (whole, or not recorded)
             snapshots.pool.shutdown()
         pending, checkpointer.pending = checkpointer.pending, None
         future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
@@ -261,14 +282,17 @@ def warm_up(device):
 
 
 # ----------------------------------------------------------------------------- the node's side
-def loopback_master(timeout_s=300):
-    """(store, port): the job's store, served by this process from a socket bound to 127.0.0.1."""
+def serve_store(host, port=0, timeout_s=300):
+    """(store, port): the job's store, served by this process from a socket bound to `host`'s address
+    only (127.0.0.1 for a job on one node), on `port` (0: a free one)."""
     import torch.distributed as dist
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
     listener.listen(64)
     port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+    store = dist.TCPStore(address[0], port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           master_listen_fd=listener.detach(), wait_for_workers=False)
     return store, port
 
@@ -278,44 +302,67 @@ def _die_with_parent():
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+class StoreLost(Exception):
+    """The job's store, on node 0, stopped answering: that node's launcher is gone."""
+
+
 class Supervisor:
-    """The processes of one node's job in this mode, and its store (see the module's docstring).
+    """The processes of one node of a job in this mode (see the module's docstring), and on node 0 the
+    job's store.
 
-    `cmd` runs the script; `world` ranks and `spares` waiting processes, each restarted up to
-    `max_restarts` times; a rank whose peers reported a loss but which reported none within
-    `fence_s` is SIGKILLed (fenced) and replaced. run() returns the job's exit status."""
+    `cmd` runs the script; `nproc` ranks a node on `nnodes` nodes (this one `node`; `endpoint` host:port
+    of node 0's store when there are several) and `spares` waiting processes, each restarted up to
+    `max_restarts` times; a rank whose peers reported a loss but which reported none within `fence_s`
+    is SIGKILLed (fenced) and replaced, and so is a node silent that long. run() returns this node's
+    exit status."""
 
-    def __init__(self, cmd, env, world, spares, max_restarts, fence_s, stop_file):
-        self.cmd, self.env, self.world, self.slots = cmd, env, world, world + spares
+    def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None):
+        import torch.distributed as dist
+        self.cmd, self.env, self.nproc, self.world, self.slots = cmd, env, nproc, nproc * nnodes, nproc + spares
+        self.node, self.nnodes = node, nnodes
         self.max_restarts, self.fence_s, self.stop_file = max_restarts, fence_s, stop_file
-        self.store, self.port = loopback_master()
-        self.store.add("gen", 0)
-        self.store.add("vacancies", 0)
-        self.procs, self.restarts = {}, [0] * self.slots
+        host, port = endpoint.rsplit(":", 1) if endpoint else ("127.0.0.1", 0)
+        if node == 0:
+            self.store, port = serve_store(host, int(port))
+            self.store.add("gen", 0)
+            self.store.add("vacancies", 0)
+        else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
+            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+        self.address = f"{host}:{port}"
+        # A node whose supervisor starts again (the node came back) starts only spares: its ranks are held.
+        self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
+        self.own = range(node * self.slots, (node + 1) * self.slots)  # this node's slots, in the job's numbering
+        self.procs, self.restarts = {}, dict.fromkeys(self.own, 0)
         self.ended = False
+        self.cut_off = False  # this node lost the store, or was given up as lost: it must not end the job
         self.signalled = []
         self.watch = None  # (the current generation, when it was first seen)
         self.stopped_since = {}  # slot -> when its process was first seen stopped
+        self.beats = {}  # node 0: node -> (its incarnation, its beat, when that beat was first seen)
 
     def start(self, slot):
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
         # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
         threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
-        env = {**threads, **self.env, STORE: f"127.0.0.1:{self.port}", SLOT: str(slot),
-               WORLD: str(self.world), SLOTS: str(self.slots), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
-               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        local = slot - self.own.start
+        first = local < self.nproc and self.restarts[slot] == 0 and self.incarnation == 1
+        env = {**threads, **self.env, STORE: self.address, SLOT: str(slot), WORLD: str(self.world),
+               SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
+               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+               **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
         self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def holder(self, slot):
         """The rank `slot` holds now (None: a spare): each vacancy's claim moved a rank to its claimant."""
-        owner = {r: r for r in range(self.world)}
+        owner = {r: r // self.nproc * self.slots + r % self.nproc for r in range(self.world)}  # the first launch's
         for n in range(1, self.store.add("vacancies", 0) + 1):
             rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
             owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
         return next((r for r, s in owner.items() if s == slot), None)
 
     def slot_of(self, rank):
-        return next((s for s in range(self.slots) if self.holder(s) == rank), None)
+        """This node's slot that holds `rank` (None: another node's, or none)."""
+        return next((s for s in self.own if self.holder(s) == rank), None)
 
     def stopped(self, slot):
         """Whether the process of `slot` is stopped (SIGSTOP: state T in /proc; not a debugger's stop, t)."""
@@ -325,29 +372,32 @@ class Supervisor:
         except (OSError, IndexError, TypeError, KeyError):
             return False
 
-    def vacate(self, slot, why):
-        """The process of `slot` is gone: the rank it held (if any) goes to the next generation's newcomer."""
+    def vacate(self, slot, why, node=None):
+        """The process of `slot` is gone: the rank it held (if any) goes to the next generation's newcomer,
+        of this node (a spare, or its restart), or of any node (`node` "any": a node lost)."""
         rank = self.holder(slot)
         if rank is None:
             return
         gen = self.store.add("gen", 1)
         n = self.store.add("vacancies", 1)
-        self.store.set(f"vacancy/{n}", f"{rank} {gen}")
-        print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process to "
-              "take it", flush=True)
+        self.store.set(f"vacancy/{n}", f"{rank} {gen} {node or self.node}")
+        print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process "
+              f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
 
     def fence(self):
         """Kill (fence) the processes that hold the job up for fence_s, so that the supervisor replaces
         them: one stopped (SIGSTOP) that long, whatever its peers wait in (a save waits --timeout-s); and,
-        once a survivor has reported a loss but no process died, the ranks that reported none (frozen
-        otherwise: a deadlock)."""
+        once a survivor has reported a loss but no process died, the ranks of this node that reported
+        none (frozen otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent."""
         gen, now = self.store.add("gen", 0), time.monotonic()
-        for slot in range(self.slots):
+        for slot in self.own:
             if not self.stopped(slot):
                 self.stopped_since.pop(slot, None)
             elif now - self.stopped_since.setdefault(slot, now) >= self.fence_s:
                 self.kill(slot, f"stopped for {self.fence_s:.0f} s")
                 self.stopped_since.pop(slot)
+        if self.node == 0:
+            self.find_lost_nodes(gen, now)
         if self.watch is None or self.watch[0] != gen:
             self.watch = (gen, now)
             return
@@ -360,6 +410,23 @@ class Supervisor:
             if slot is not None:
                 self.kill(slot, f"held up generation {gen} for {self.fence_s:.0f} s")
         self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def find_lost_nodes(self, gen, now):
+        """Node 0: a node whose supervisor has not beaten for fence_s while a survivor reports a loss is
+        lost whole (its processes die with their supervisor): its ranks go to spares of any node. Its
+        supervisor, if it was only cut off, fences its own processes when it reads that it was lost."""
+        for node in range(1, self.nnodes):
+            seen = (self.store.add(f"node/{node}/incarnation", 0), self.store.add(f"node/{node}/beat", 0))
+            if self.beats.get(node, (None, None))[:2] != seen:
+                self.beats[node] = (*seen, now)
+                continue
+            if (now - self.beats[node][2] < self.fence_s or self.store.add(f"g{gen}/lost", 0) == 0
+                    or self.store.check([f"node/{node}/lost"])
+                    and self.store.get(f"node/{node}/lost").decode() == str(seen[0])):
+                continue
+            self.store.set(f"node/{node}/lost", str(seen[0]))
+            for slot in range(node * self.slots, (node + 1) * self.slots):
+                self.vacate(slot, f"lost with node {node} (silent for {self.fence_s:.0f} s)", node="any")
 
     def kill(self, slot, why):
         """Fence the process of `slot`: SIGKILL, which a stopped process obeys too; its death is replaced."""
@@ -374,8 +441,30 @@ class Supervisor:
         self.store.set("end", "1")
         self.store.set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "end")
 
+    def beat(self):
+        """Say this node lives; raise StoreLost if node 0 is gone, and SystemExit if node 0 found this node
+        silent and gave its ranks away (its processes are then stale: they are killed)."""
+        import torch.distributed as dist
+        try:
+            self.store.add(f"node/{self.node}/beat", 1)
+            lost = self.store.check([f"node/{self.node}/lost"]) and self.store.get(f"node/{self.node}/lost").decode()
+        except (RuntimeError, dist.DistError) as e:
+            self.cut_off = True
+            raise StoreLost(str(e).strip()[:100]) from None
+        if lost == str(self.incarnation):
+            self.cut_off = True
+            self.kill_all()
+            raise SystemExit(f"supervisor: node {self.node} was silent for {self.fence_s:.0f} s and its ranks were "
+                             "given to others: its processes killed (fenced); start it again to add its spares")
+
+    def kill_all(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
     def run(self):
-        for slot in range(self.slots):
+        for slot in self.own:
             self.start(slot)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
             signal.signal(number, self.pass_on)
@@ -383,10 +472,18 @@ class Supervisor:
         try:
             while code is None:
                 rounds += 1
-                code = self.round(fence=rounds % 20 == 0)  # deaths every 5 ms, hangs every 0.1 s
+                if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1:
+                    self.beat()
+                code = self.round(fence=rounds % BEAT_ROUNDS == 0)  # deaths every 5 ms, hangs every 0.1 s
                 time.sleep(POLL_S)
+        except StoreLost as e:
+            print(f"supervisor: node {self.node} lost the job's store on node 0 ({e}): this node's processes "
+                  "killed; the job restarts whole (run it again: it resumes from memory or disk)", flush=True)
+            self.kill_all()
+            return 1
         finally:  # spares leave at the end; whatever still runs after a while is killed
-            self.end()
+            if not self.cut_off:
+                self.end()
             for proc in self.procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10 if self.ended else 0)
@@ -394,7 +491,22 @@ class Supervisor:
                     proc.kill()
                     proc.wait()
                     code = code or 1
+            self.leave()
         return code
+
+    def leave(self):
+        """Several nodes: say this node is done; node 0, whose process holds the store, waits for the
+        others' (not for a node it found lost) before it goes, as their spares still read the store."""
+        if self.nnodes == 1:
+            return
+        with contextlib.suppress(Exception):  # (the store may be gone)
+            self.store.set(f"node/{self.node}/done", "1")
+            deadline = time.monotonic() + 60
+            others = [f"node/{k}/done" for k in range(1, self.nnodes) if self.node == 0]
+            while others and time.monotonic() < deadline:
+                others = [key for key in others if not self.store.check([key])
+                          and not self.store.check([key.replace("done", "lost")])]
+                time.sleep(0.1)
 
     def round(self, fence):
         """One look at the processes: None while the job runs, else its exit status. A process that ends

@@ -101,7 +101,7 @@ class Config:
     freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
-    survivors: bool = False  # (run.sh, one node) a dead rank is replaced alone; the others keep running (common/survivors.py)
+    survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (common/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
     light_every: Optional[int] = None  # every N steps, the model's weights alone in light/step-NNNNNNNN.pt (plain torch.load; never resumed from)

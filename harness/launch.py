@@ -192,28 +192,37 @@ def problems(run_dir, code, output, restarts=0):
     return wrong
 
 
-def workers(agent_pid, attempt=None):
-    """{rank: pid} of the workers torchrun's agent runs in `attempt` (its children, by their environment;
-    attempt None: whatever their attempt)."""
+def children(parent):
+    """{pid: the environment it started with} of the processes whose parent is `parent`."""
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                continue
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            if attempt is None or env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
-                found[int(env["RANK"])] = int(proc.name)
-        except (OSError, ValueError, KeyError, IndexError):  # gone meanwhile, or not a worker
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found[int(proc.name)] = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0")
+                                             if "=" in v)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return found
 
 
+def workers(agent_pid, attempt=None):
+    """{rank: pid} of the workers torchrun's agent runs in `attempt` (its children, by their environment;
+    attempt None: whatever their attempt)."""
+    return {int(env["RANK"]): pid for pid, env in children(agent_pid).items()
+            if "RANK" in env and (attempt is None or env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt))}
+
+
 def kill_node(agent):
-    """Lose a node whole, as a power cut would: SIGKILL its torchrun agent (a process from start()) and
-    the workers it runs. They are found first: torchrun starts them in sessions of their own, so
-    killing the agent's process group alone would leave them training. Returns their {rank: pid}."""
-    found = workers(agent.pid)
-    for kill, pid in [(os.killpg, agent.pid), *((os.kill, pid) for pid in found.values())]:
+    """Lose a node whole, as a power cut would: SIGKILL its launcher (torchrun's agent, or a --survivors
+    supervisor: a process from start()) and the workers it runs. They are found first: both start them
+    in sessions of their own, so killing the launcher's process group alone would leave them training.
+    Returns their pids."""
+    found, todo = [], [agent.pid]
+    while todo:  # every descendant (under run.sh: harness.launch, then the launcher, then its workers)
+        kids = list(children(todo.pop()))
+        found += kids
+        todo += kids
+    for kill, pid in [(os.killpg, agent.pid), *((os.kill, pid) for pid in found)]:
         try:
             kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # ended meanwhile
@@ -268,26 +277,36 @@ def survivors_layout(flags):
     return known.survivors, known.spares, known.hang_timeout_s
 
 
-def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3):
+def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nnodes=1, node=0, endpoint=None):
     """(command, environment) of a job in which survivors keep running (--survivors): this module's
-    main, which supervises one process per rank and `spares` more (common/survivors.py)."""
+    main, which supervises one process per rank and `spares` more (common/survivors.py); node `node`
+    of `nnodes`, whose node 0 serves the job's store at `endpoint` (host:port)."""
     cmd = [sys.executable, "-m", "harness.launch", script, str(nproc), "--run-dir", str(run_dir), "--survivors",
            "--spares", str(spares), *map(str, flags)]
     stop_file = stop_folder() / f"stop-{uuid.uuid4().hex}"
-    return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file)}
+    nodes = {"NNODES": str(nnodes), "NODE_RANK": str(node), "RDZV_ENDPOINT": endpoint} if nnodes > 1 else {}
+    return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file), **nodes}
 
 
 def supervise(script, nproc, flags, spares, fence_s):
-    """Run a --survivors job on this node (common/survivors.py's Supervisor) and exit with its status."""
+    """Run this node's part of a --survivors job (common/survivors.py's Supervisor) and exit with its status."""
     from common.survivors import Supervisor
-    if (os.environ.get("NNODES") or "1") != "1":
-        print("run.sh: --survivors runs on one node (NNODES=1); a job of several nodes restarts every process "
-              "after a failure", file=sys.stderr)
-        sys.exit(2)
+    nnodes, node, endpoint = os.environ.get("NNODES") or "1", os.environ.get("NODE_RANK"), None
+    if nnodes != "1":
+        if ":" in nnodes or node is None:
+            print(f"run.sh: --survivors on several nodes takes a fixed NNODES and each node's NODE_RANK (got "
+                  f"NNODES={nnodes}{'' if node is None else f', NODE_RANK={node}'}): its nodes keep their ranks, and "
+                  "a spare of any node takes a lost one's", file=sys.stderr)
+            sys.exit(2)
+        endpoint = os.environ["RDZV_ENDPOINT"]  # (run.sh refuses a job of several nodes without it)
+        print(f"run.sh: several nodes: the job's store ({endpoint}, on node 0) and gloo trust whoever connects: only "
+              "the job's nodes must reach them", file=sys.stderr)
     env = {**os.environ, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}
     supervisor = Supervisor([sys.executable, str(REPO / script), *map(str, flags)], env, nproc, spares,
-                            int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE])
-    print(f"run.sh: survivors keep running: {nproc} processes and {spares} spares, each replaced alone",
+                            int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE], int(node or 0),
+                            int(nnodes), endpoint)
+    print(f"run.sh: survivors keep running: {nproc} processes and {spares} spares"
+          f"{f' on node {node} of {nnodes}' if nnodes != '1' else ''}, each replaced alone",
           file=sys.stderr, flush=True)
     code = exit_code(supervisor.run(), env)
     sys.exit(PREEMPTED if supervisor.signalled and code not in (0, 2, 3) else code)
@@ -314,12 +333,12 @@ def main(argv):
         except socket.gaierror as e:
             print(f"run.sh: RDZV_ENDPOINT={endpoint}: cannot resolve {host} ({e.strerror})", file=sys.stderr)
             sys.exit(2)
-    if nnodes != "1":  # torch binds none of these to the endpoint's interface
-        print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
-              "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)
     survivors, spares, fence_s = survivors_layout(flags)
     if survivors:
         supervise(script, int(nproc), flags, spares, fence_s)
+    if nnodes != "1":  # torch binds none of these to the endpoint's interface
+        print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
+              "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)
     grace_s = int(os.environ.get("SHUTDOWN_TIMEOUT") or (grace_for(run_dir) if run_dir else 30))
     cmd, env = torchrun(script, int(nproc), None, flags, nnodes=nnodes, node_rank=os.environ.get("NODE_RANK") or None,
                         max_restarts=int(os.environ.get("MAX_RESTARTS") or 3),

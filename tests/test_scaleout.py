@@ -60,21 +60,15 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     assert split["replayed_steps"] >= 1 and split["total_s"] <= 30, split
 
 
-@pytest.mark.parametrize("script, how", [("ddp/train.py", "the model and optimizer from rank 0"),
-                                         ("fsdp/train.py", "their shards from the ranks that kept them")])
-def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, script, how, request):
-    # Two nodes of one rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole after
-    # step 20, before the first disk save, and a new node takes its place with an empty memory. Its rank
-    # restores the step from node 0: DDP's model and optimizer (the same on every rank) or FSDP's shards
-    # of rank 1, which node 0 kept, and its RNG from the replica of its record: no step since the disk
-    # save is replayed, only those since the last record node 0 received. (2:2 nodes: a fixed pair, with
-    # the elastic settings that drop a lost node from the rendezvous in seconds, not 15.)
-    flags = LONG  # 100 steps (over a second) after step 20, the first disk save at step 60
-    if script == "ddp/train.py":
-        reference = request.getfixturevalue("ddp_long_reference")  # the preemption test's too
-    else:
-        reference = tmp_path / "reference"
-        torchrun(script, 2, reference, *flags)
+def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, ddp_long_reference):
+    # Two nodes of one DDP rank, each with a memory of its own (--snapshot-dir). Node 1 is lost whole
+    # after step 20, before the first disk save, and a new node takes its place with an empty memory. Its
+    # rank restores the step from node 0: the model and optimizer (the same on every rank) from rank 0,
+    # its RNG from the replica of its record that node 0 kept: no step since the disk save is replayed,
+    # only those since the last record node 0 received. (FSDP's shards from a replica, and the survivors'
+    # way: test_survivors.py.) (2:2 nodes: a fixed pair, with the elastic settings that drop a lost node
+    # from the rendezvous in seconds, not 15.)
+    script, flags, reference = "ddp/train.py", LONG, ddp_long_reference  # 100 steps after step 20, a save at 60
     run = tmp_path / "run"
     start_node = nodes(script, 1, run, flags, nnodes="2:2")
     first = start_node(0, ["--snapshot-dir", tmp_path / "memory-0"])
@@ -89,7 +83,8 @@ def test_a_replaced_node_resumes_from_its_peers_memory_bitwise(tmp_path, script,
     loads = [e for r in range(2) for e in metrics(run, r, "load") if e["time"] > lost_at]
     assert {(e["step"], e["source"]) for e in loads} == {(loads[0]["step"], "memory")} and len(loads) == 2
     assert done_before - 1 <= loads[0]["step"] <= done_before + 1, (done_before, loads)
-    assert f"ranks [1] had none (a replaced node): their records from the replicas, {how}" in ended[0][1]
+    assert "ranks [1] had none (a replaced node): their records from the replicas, the model and optimizer from " \
+           "rank 0" in ended[0][1]
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
