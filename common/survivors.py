@@ -16,8 +16,9 @@ to the address of RDZV_ENDPOINT). The store holds:
     g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
     g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
     node/<k>/...        node k's supervisor: its incarnation (one more each time it starts: a node that
-                        comes back starts only spares), its beat (one more every 0.1 s), lost (node 0
-                        found it silent: the incarnation it lost), done (its processes have ended)
+                        comes back starts only spares), its beat (one more every 0.1 s), lost/<i> (who
+                        gave away the ranks of its incarnation i: node 0, which found it silent, or the
+                        node itself, come back), done (its processes have ended)
     end                 the job is over: spares leave (woken by a last vacancy/<n> that says "end")
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
@@ -26,7 +27,7 @@ A survivor that sees a collective fail (Team.lost_peer) calls Team.reform: it de
 waits for the supervisor's next generation, forms it with the newcomer, and the script then restores
 the newest step every rank holds, as a restart would, and redoes the steps after it. A frozen rank
 never dies: the supervisor kills a process stopped for --hang-timeout-s, and, once a survivor has
-reported a loss, whichever rank has not reported one within --hang-timeout-s (a fence: a stale
+reported a loss, whichever rank has not reported one within twice --hang-timeout-s (a fence: a stale
 process can never come back), and replaces it. A node lost whole (its supervisor silent for
 --hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares of any node: node 0's
 supervisor posts them; the lost node's own supervisor, if it was only cut off, kills its processes.
@@ -256,8 +257,12 @@ class Team:
         that reports none), wait for the supervisor's next generation and form it. Returns its number."""
         import torch.distributed as dist
         failed = self.gen
-        self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
-        self.store.add(f"g{failed}/lost", 1)
+        try:
+            self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
+            self.store.add(f"g{failed}/lost", 1)
+        except dist.DistNetworkError:
+            raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost: leaving; the job "
+                             "restarts whole") from None
         leave = threading.Thread(target=dist.destroy_process_group, daemon=True)  # the failed op has ended
         if dist.is_initialized():
             leave.start()
@@ -312,9 +317,9 @@ class Supervisor:
 
     `cmd` runs the script; `nproc` ranks a node on `nnodes` nodes (this one `node`; `endpoint` host:port
     of node 0's store when there are several) and `spares` waiting processes, each restarted up to
-    `max_restarts` times; a rank whose peers reported a loss but which reported none within `fence_s`
-    is SIGKILLed (fenced) and replaced, and so is a node silent that long. run() returns this node's
-    exit status."""
+    `max_restarts` times; a process stopped for `fence_s`, or a rank that reports no loss within twice
+    that of a peer's report, is SIGKILLed (fenced) and replaced; node 0 gives away the ranks of a node
+    silent for `fence_s` after a report. run() returns this node's exit status."""
 
     def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None):
         import torch.distributed as dist
@@ -329,7 +334,6 @@ class Supervisor:
         else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
         self.address = f"{host}:{port}"
-        # A node whose supervisor starts again (the node came back) starts only spares: its ranks are held.
         self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
         self.own = range(node * self.slots, (node + 1) * self.slots)  # this node's slots, in the job's numbering
         self.procs, self.restarts = {}, dict.fromkeys(self.own, 0)
@@ -358,7 +362,7 @@ class Supervisor:
         for n in range(1, self.store.add("vacancies", 0) + 1):
             rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
             owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
-        return next((r for r, s in owner.items() if s == slot), None)
+        return next((r for r, s in owner.items() if s == slot), None)  # (slot: a spare's, a lost node's)
 
     def slot_of(self, rank):
         """This node's slot that holds `rank` (None: another node's, or none)."""
@@ -372,23 +376,26 @@ class Supervisor:
         except (OSError, IndexError, TypeError, KeyError):
             return False
 
-    def vacate(self, slot, why, node=None):
-        """The process of `slot` is gone: the rank it held (if any) goes to the next generation's newcomer,
-        of this node (a spare, or its restart), or of any node (`node` "any": a node lost)."""
-        rank = self.holder(slot)
-        if rank is None:
+    def vacate(self, slots, why, node=None):
+        """The processes of `slots` are gone: the ranks they held go to the next generation's newcomers,
+        of this node (a spare, or a restart), or of any node (`node` "any": a node lost). One generation
+        for them all: the group re-forms once."""
+        ranks = {slot: self.holder(slot) for slot in slots}
+        ranks = {slot: rank for slot, rank in ranks.items() if rank is not None}
+        if not ranks:
             return
         gen = self.store.add("gen", 1)
-        n = self.store.add("vacancies", 1)
-        self.store.set(f"vacancy/{n}", f"{rank} {gen} {node or self.node}")
-        print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process "
-              f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
+        for slot, rank in ranks.items():
+            n = self.store.add("vacancies", 1)
+            self.store.set(f"vacancy/{n}", f"{rank} {gen} {node or self.node}")
+            print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process "
+                  f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
 
     def fence(self):
         """Kill (fence) the processes that hold the job up for fence_s, so that the supervisor replaces
         them: one stopped (SIGSTOP) that long, whatever its peers wait in (a save waits --timeout-s); and,
-        once a survivor has reported a loss but no process died, the ranks of this node that reported
-        none (frozen otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent."""
+        once a survivor has reported a loss and no process died for 2 fence_s, the ranks of this node
+        that reported none (frozen otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent."""
         gen, now = self.store.add("gen", 0), time.monotonic()
         for slot in self.own:
             if not self.stopped(slot):
@@ -398,17 +405,19 @@ class Supervisor:
                 self.stopped_since.pop(slot)
         if self.node == 0:
             self.find_lost_nodes(gen, now)
-        if self.watch is None or self.watch[0] != gen:
+        if self.store.add(f"g{gen}/lost", 0) == 0:
+            return
+        if self.watch is None or self.watch[0] != gen:  # the first report of a loss in this generation
             self.watch = (gen, now)
             return
-        if now - self.watch[1] < self.fence_s:
-            return
-        if self.store.add(f"g{gen}/lost", 0) == 0:
+        # A rank in a collective that began before the loss reports it within fence_s (its timeout, once
+        # training runs): one silent twice that long is frozen otherwise.
+        if now - self.watch[1] < 2 * self.fence_s:
             return
         for rank in (r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])):
             slot = self.slot_of(rank)
             if slot is not None:
-                self.kill(slot, f"held up generation {gen} for {self.fence_s:.0f} s")
+                self.kill(slot, f"held up generation {gen} for {2 * self.fence_s:.0f} s")
         self.watch = (gen, now)  # the kill is seen as a death on the next round
 
     def find_lost_nodes(self, gen, now):
@@ -419,14 +428,8 @@ class Supervisor:
             seen = (self.store.add(f"node/{node}/incarnation", 0), self.store.add(f"node/{node}/beat", 0))
             if self.beats.get(node, (None, None))[:2] != seen:
                 self.beats[node] = (*seen, now)
-                continue
-            if (now - self.beats[node][2] < self.fence_s or self.store.add(f"g{gen}/lost", 0) == 0
-                    or self.store.check([f"node/{node}/lost"])
-                    and self.store.get(f"node/{node}/lost").decode() == str(seen[0])):
-                continue
-            self.store.set(f"node/{node}/lost", str(seen[0]))
-            for slot in range(node * self.slots, (node + 1) * self.slots):
-                self.vacate(slot, f"lost with node {node} (silent for {self.fence_s:.0f} s)", node="any")
+            elif now - self.beats[node][2] >= self.fence_s and self.store.add(f"g{gen}/lost", 0) > 0:
+                self.give_away(node, seen[0], f"silent for {self.fence_s:.0f} s")
 
     def kill(self, slot, why):
         """Fence the process of `slot`: SIGKILL, which a stopped process obeys too; its death is replaced."""
@@ -447,11 +450,11 @@ class Supervisor:
         import torch.distributed as dist
         try:
             self.store.add(f"node/{self.node}/beat", 1)
-            lost = self.store.check([f"node/{self.node}/lost"]) and self.store.get(f"node/{self.node}/lost").decode()
+            lost = self.store.check([f"node/{self.node}/lost/{self.incarnation}"])
         except (RuntimeError, dist.DistError) as e:
             self.cut_off = True
             raise StoreLost(str(e).strip()[:100]) from None
-        if lost == str(self.incarnation):
+        if lost:
             self.cut_off = True
             self.kill_all()
             raise SystemExit(f"supervisor: node {self.node} was silent for {self.fence_s:.0f} s and its ranks were "
@@ -463,7 +466,17 @@ class Supervisor:
                 proc.kill()
             proc.wait()
 
+    def give_away(self, node, incarnation, why):
+        """The ranks that node `node` held in its `incarnation` go to processes of any node, once: whoever
+        says so first (node 0, finding it silent; the node, come back) posts the vacancies."""
+        me = f"node {self.node}"
+        if self.store.compare_set(f"node/{node}/lost/{incarnation}", "", me).decode() != me:
+            return
+        self.vacate(range(node * self.slots, (node + 1) * self.slots), f"lost with node {node} ({why})", node="any")
+
     def run(self):
+        if self.incarnation > 1:  # the node came back: its ranks went, or go now, to others; it starts spares
+            self.give_away(self.node, self.incarnation - 1, "started again")
         for slot in self.own:
             self.start(slot)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
@@ -497,15 +510,15 @@ class Supervisor:
     def leave(self):
         """Several nodes: say this node is done; node 0, whose process holds the store, waits for the
         others' (not for a node it found lost) before it goes, as their spares still read the store."""
-        if self.nnodes == 1:
+        if self.nnodes == 1 or self.cut_off:
             return
-        with contextlib.suppress(Exception):  # (the store may be gone)
+        with contextlib.suppress(RuntimeError):  # node 0's store gone meanwhile: nothing to say
             self.store.set(f"node/{self.node}/done", "1")
             deadline = time.monotonic() + 60
-            others = [f"node/{k}/done" for k in range(1, self.nnodes) if self.node == 0]
+            others = list(range(1, self.nnodes)) if self.node == 0 else []
             while others and time.monotonic() < deadline:
-                others = [key for key in others if not self.store.check([key])
-                          and not self.store.check([key.replace("done", "lost")])]
+                others = [k for k in others if not self.store.check([f"node/{k}/done"]) and not self.store.check(
+                    [f"node/{k}/lost/{self.store.add(f'node/{k}/incarnation', 0)}"])]
                 time.sleep(0.1)
 
     def round(self, fence):
@@ -524,7 +537,7 @@ class Supervisor:
                 print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times (exit {status}): "
                       "ending the job", flush=True)
                 return 1
-            self.vacate(slot, f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
+            self.vacate([slot], f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
             self.restarts[slot] += 1
             self.start(slot)
         if ended:

@@ -21,7 +21,11 @@ local S3 server, harness/s3server.py; a first launch killed whole once a checkpo
 folder deleted: the job resumes from the archive). The first trials take every kind once, then
 kinds are drawn at random. The --survivors strategies (ddp-survivors with a spare, fsdp-survivors with a
 cold replacement) take the faults that kill or freeze a process: sigkill, sigstop, crash-at-step,
-crash-in-save; their trials also fail if a survivor's process started again.
+crash-in-save; and their own: spare-killed (the spare SIGKILLed, then a rank), replacement-killed (a
+rank SIGKILLed, then the process that takes its place, as it joins), node-lost (two nodes of --ranks
+each, node 1 lost whole: node 0's spare takes its ranks; those left to no spare wait for a new node 1,
+started with an empty memory; the job keeps its size). Their trials also fail if a
+survivor's process started again.
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
 its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
@@ -39,10 +43,12 @@ stopping, rendezvous; for a preemption also the save and the relaunch), their st
 process group, model), the checkpoint load, the first step, and the steps trained again. The same
 split of each reference's cold start (launch to first step) gives the ratio of the two.
 """
+import contextlib
 import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -62,8 +68,8 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints, step_name  # noqa: E402
 from common.config import Parser  # noqa: E402
-from harness.launch import (STRATEGIES, finish, free_port, kill_node, problems, start, survivors_job,  # noqa: E402
-                            torchrun, workers)
+from harness.launch import (STRATEGIES, children, finish, free_port, kill_node, problems, start,  # noqa: E402
+                            survivors_job, torchrun, workers)
 from harness.metrics import Watch, events, final_history, phases  # noqa: E402
 from harness.s3server import BUCKET, S3Server  # noqa: E402
 
@@ -176,7 +182,8 @@ class Job:
     proc: Optional[subprocess.Popen] = None  # its torchrun agent (preempt: the relaunch's, once launched again)
     watch: Optional[Watch] = None
     hit: Optional[Hit] = None  # the (last) fault fired from outside, if one was
-    lost: Optional[subprocess.Popen] = None  # node-lost: node 1's agent
+    lost: Optional[subprocess.Popen] = None  # node-lost: node 1's agent (--survivors: supervisor)
+    relaunch: Optional[Callable] = None  # node-lost, --survivors without a spare: starts a new node 1
     preempted: Optional[dict] = None  # preempt: the first launch's 'preempted' event
     hidden: Optional[Path] = None  # transient-read: the hidden checkpoint, its files' bytes, where they went back
     original: Optional[dict] = None
@@ -376,7 +383,10 @@ def plain(flags):
 
 def two_nodes(job):
     """node-lost: an elastic job of two agents of half the workers each. Node 1's agent starts here;
-    node 0's, whose command is returned, holds the rendezvous store and survives."""
+    node 0's, whose command is returned, holds the rendezvous store and survives. --survivors: two
+    supervisors (two_survivor_nodes)."""
+    if job.trial.strategy in SURVIVORS:
+        return two_survivor_nodes(job)
     endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
     cmd, env = torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2", endpoint=endpoint,
                         rdzv_id=rdzv_id, is_host=True, env=ONE_THREAD)
@@ -384,6 +394,23 @@ def two_nodes(job):
                                endpoint=endpoint, rdzv_id=rdzv_id, is_host=False, env=ONE_THREAD),
                      log=f"{job.run_dir}-node1.log")
     return cmd, env
+
+
+def two_survivor_nodes(job):
+    """node-lost, --survivors: two nodes of half the ranks each, with the strategy's spares, each with a
+    memory of its own; node 0's supervisor holds the job's store. Node 1 starts here; so, once it is
+    lost, does a new node 1 when there is no spare to take its ranks (job.relaunch)."""
+    endpoint, nproc, flags = f"localhost:{free_port()}", job.trial.processes // 2, plain(job.flags)
+    spares = int(job.flags[job.flags.index("--spares") + 1]) if "--spares" in job.flags else 0
+    flags += HANG_FLAGS_DEFAULT  # a node is found lost once silent for --hang-timeout-s
+
+    def node(n, memory):
+        return survivors_job(job.script, nproc, job.run_dir, [*flags, "--snapshot-dir", f"{job.run_dir}-{memory}"],
+                             spares=spares, nnodes=2, node=n, endpoint=endpoint)
+    job.lost = start(*node(1, "memory-1"), log=f"{job.run_dir}-node1.log")
+    if spares < nproc:  # node 0's spares cannot take all of node 1's ranks
+        job.relaunch = lambda: start(*node(1, "memory-1-new"), log=f"{job.run_dir}-node1-new.log")
+    return node(0, "memory-0")
 
 
 # fire: into the running job, from outside
@@ -429,10 +456,57 @@ def kill_a_save(job):
 
 
 def lose_node(job):
-    """node-lost: node 1 killed whole (fired if it had workers), after a step with a checkpoint before it."""
+    """node-lost: node 1 killed whole (fired if it had workers), after a step with a checkpoint before it;
+    then, where a new node must take its place (job.relaunch), that node started."""
     job.hit = at_step(job, job.rng.randint(SAVE_EVERY + 1, STEPS - MARGIN), 0, lambda: bool(kill_node(job.lost)))
     if job.hit is None:
         kill_node(job.lost)  # the job ended first: no stray agent
+    elif job.relaunch:
+        job.lost = job.relaunch()
+
+
+def node_lost_and_back(job):
+    """node-lost: fired; a new node 1, if one was started, ended 0 (its output is added to the job's)."""
+    if job.hit is None or not job.relaunch:
+        return job.hit is not None
+    code, output, _ = finish(job.lost, job.deadline)
+    job.output += output
+    return code == 0
+
+
+def no_spare(job):
+    """The processes of a --survivors job's first launch that hold no rank: spares (FIRST_RANK unset)."""
+    from common.survivors import FIRST_RANK
+    return [pid for pid, env in children(job.proc.pid).items() if FIRST_RANK not in env]
+
+
+def kill_spare_then_rank(job):
+    """spare-killed: SIGKILL the spare after a random step (its supervisor starts another, cold), then a
+    random rank after a later one: a spare's death costs the ranks nothing, and the rank is replaced."""
+    def kill_spare():
+        spares = no_spare(job)
+        return bool(spares) and os.kill(spares[0], signal.SIGKILL) is None
+    first = at_step(job, job.rng.randint(1, STEPS // 2 - MARGIN), 0, kill_spare)
+    if first is not None:
+        job.hit = signal_at_step(job, signal.SIGKILL, range(job.trial.processes),
+                                 job.rng.randint(first.step + 1, STEPS - MARGIN), 0)
+
+
+def kill_the_replacement(job):
+    """replacement-killed: SIGKILL a random rank after a random step, then the process that takes its
+    place as soon as it says so ("slot S (pid P): takes rank R", before it joins the group)."""
+    first = signal_at_step(job, signal.SIGKILL, range(job.trial.processes), job.rng.randint(6, STEPS - MARGIN), 0)
+    if first is None:
+        return
+    taken = re.compile(r"slot \d+ \(pid (\d+)\): takes rank \d+")
+    while job.proc.poll() is None and time.time() < job.deadline:
+        found = taken.search(job.proc.log.read_text(errors="replace"))
+        if found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(found[1]), signal.SIGKILL)
+                job.hit = Hit(time.time(), first.step)
+            return
+        time.sleep(POLL_S)  # polling the job's output for the line, not waiting for a moment
 
 
 def preempt_agent(job):
@@ -476,14 +550,17 @@ def killed_in_flight(job):
 
 # checks and expected: the kind's own judgement of the finished job
 def at_survivors_size(job):
-    size = job.trial.processes // 2  # node 0's workers
+    size = job.trial.processes // (1 if job.trial.strategy in SURVIVORS else 2)  # node 0's workers; --survivors: all
     if job.summary and job.summary["world_size"] != size:
         return [f"ended at world size {job.summary['world_size']}, not {size}"]
     return []
 
 
 def resumed_alike(job):
-    """node-lost: the reference's checkpoint of the step resumed from, resumed at the survivor's size."""
+    """node-lost: the reference's checkpoint of the step resumed from, resumed at the survivor's size
+    (--survivors: the size stays; the reference itself)."""
+    if job.trial.strategy in SURVIVORS:
+        return job.ref.digest
     return resumed_reference(job.trial.strategy, job.ref, job.trial.processes // 2, job.trial.resumed_step,
                              f"{job.run_dir}-reference")
 
@@ -544,8 +621,10 @@ FAULTS = {kind.name: kind for kind in [
     # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
     FaultKind("async-in-flight", lost_processes=True, strategies=("fsdp-async",), fire=kill_a_save,
               fired=killed_in_flight),
-    FaultKind("node-lost", strategies=DATA_PARALLEL, nodes=2, launch=two_nodes, fire=lose_node,
-              checks=at_survivors_size, expected=resumed_alike),
+    FaultKind("node-lost", strategies=DATA_PARALLEL + SURVIVORS, nodes=2, launch=two_nodes, fire=lose_node,
+              fired=node_lost_and_back, checks=at_survivors_size, expected=resumed_alike),
+    FaultKind("spare-killed", ("ddp-survivors",), lost_processes=True, fire=kill_spare_then_rank),
+    FaultKind("replacement-killed", SURVIVORS, lost_processes=True, restarts=2, fire=kill_the_replacement),
     FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
               checks=no_step_lost),
     FaultKind("disk-lost", restarts=0, prepare=lose_the_disk, fired=lambda job: True, checks=fetched_archived),
@@ -638,8 +717,8 @@ def judge(job, kind, code):
 
 def survivors_problems(job, code):
     """What is wrong with a finished --survivors job ([] if nothing): it must exit 0 with no Traceback,
-    after one new generation per lost process, and every rank but the lost one must have kept its
-    process (one start event, the pid of its recovered events)."""
+    after one new generation per lost process (a lost node: one), and every rank but the lost ones
+    must have kept its process (one start event, the pid of its recovered events)."""
     if code != 0 or not job.summary:
         return [f"exit code {code}" + ("" if job.summary else ", no summary")]
     wrong = ["a Traceback in the output"] if "Traceback" in job.output else []
@@ -651,7 +730,7 @@ def survivors_problems(job, code):
         if e["event"] == "start":
             starts.setdefault(e["rank"], []).append(e["pid"])
     restarted = [r for r, pids in starts.items() if len(pids) > 1]
-    if len(restarted) > lost or any(e["pid"] != starts[e["rank"]][-1] for e in job.events if e["event"] == "recovered"):
+    if len(restarted) > (job.trial.processes // 2 if job.lost else lost) or any(e["pid"] != starts[e["rank"]][-1] for e in job.events if e["event"] == "recovered"):
         wrong.append(f"ranks {restarted} started again: a survivor restarted (starts {starts})")
     return wrong
 
