@@ -10,7 +10,7 @@ Faults (FAULTS, one FaultKind each), each at a step drawn at random, never at a 
 in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
 one: its peers' collectives time out, torchrun stops the job and restarts it) sent to a random
 worker a random fraction of a step after the job completed that step; --crash-at-step on a random
-rank; --crash-in-save; two faults in one job (a crash, then a SIGKILL at a step drawn from those
+rank; --crash-in-save; --crash-in-snapshot (halfway through a memory snapshot); two faults in one job (a crash, then a SIGKILL at a step drawn from those
 left after the resume); the newest checkpoint damaged between two launches (damage-newest), or
 unreadable only until the relaunch has chosen where to resume (transient-read); a crash while an
 async save is in flight; a node lost whole (node-lost: an elastic job, --nnodes 1:2, of two torchrun
@@ -21,11 +21,11 @@ local S3 server, harness/s3server.py; a first launch killed whole once a checkpo
 folder deleted: the job resumes from the archive). The first trials take every kind once, then
 kinds are drawn at random. The --survivors strategies (ddp-survivors with a spare, fsdp-survivors with a
 cold replacement) take the faults that kill or freeze a process: sigkill, sigstop, crash-at-step,
-crash-in-save; and their own: spare-killed (the spare SIGKILLed, then a rank), replacement-killed (a
-rank SIGKILLed, then the process that takes its place, as it joins), node-lost (two nodes of --ranks
-each, node 1 lost whole: node 0's spare takes its ranks; those left to no spare wait for a new node 1,
-started with an empty memory; the job keeps its size). Their trials also fail if a
-survivor's process started again.
+crash-in-save, crash-in-snapshot; and their own: two-at-once (two ranks SIGKILLed together, of 3),
+spare-killed (the spare SIGKILLed, then a rank), replacement-killed (a rank SIGKILLed, then the
+process that takes its place, as it joins), node-lost (two nodes of --ranks each, node 1 lost whole:
+node 0's spare takes its ranks; those left to no spare wait for a new node 1, started with an empty
+memory; the job keeps its size). Their trials also fail if a survivor's process started again.
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
 its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
@@ -318,6 +318,12 @@ def crash_at_step(latest):
     return prepare
 
 
+def crash_in_snapshot(job):
+    """A crash halfway through a random step's memory snapshot, before its record: never restored."""
+    job.crash_step = job.rng.randint(1, STEPS - 1)
+    job.flags += ["--crash-in-snapshot", job.crash_step, "--crash-rank", job.crash_rank]
+
+
 def crash_in_save(job):
     """A crash while a random save is written, before its commit: that checkpoint must never be loaded."""
     job.damaged = job.crash_step = job.rng.randrange(SAVE_EVERY, STEPS, SAVE_EVERY)
@@ -480,6 +486,21 @@ def no_spare(job):
     return [pid for pid, env in children(job.proc.pid).items() if FIRST_RANK not in env]
 
 
+def kill_two(job):
+    """two-at-once: SIGKILL two random ranks in the same moment, a random fraction of a step after a random step."""
+    ranks = job.rng.sample(range(job.trial.processes), 2)
+    started = [job.watch.first("start", job.proc, job.deadline, rank=r, attempt=0) for r in ranks]
+    if None in started:
+        return
+
+    def kill_both():
+        try:
+            return all(os.kill(e["pid"], signal.SIGKILL) is None for e in started)
+        except ProcessLookupError:
+            return False
+    job.hit = at_step(job, job.rng.randint(1, STEPS - MARGIN), 0, kill_both)
+
+
 def kill_spare_then_rank(job):
     """spare-killed: SIGKILL the spare after a random step (its supervisor starts another, cold), then a
     random rank after a later one: a spare's death costs the ranks nothing, and the rank is replaced."""
@@ -610,6 +631,8 @@ FAULTS = {kind.name: kind for kind in [
     FaultKind("crash-at-step", tuple(STRATEGIES), lost_processes=True, prepare=crash_at_step(STEPS - 1),
               fired=crash_injected),
     FaultKind("crash-in-save", tuple(STRATEGIES), lost_processes=True, prepare=crash_in_save, fired=crash_injected),
+    FaultKind("crash-in-snapshot", DATA_PARALLEL + SURVIVORS, lost_processes=True, prepare=crash_in_snapshot,
+              fired=crash_injected),
     # A crash, then a SIGKILL after the resume: the crash leaves room for the second fault.
     FaultKind("two-faults", lost_processes=True, restarts=2, prepare=crash_at_step(STEPS - 2 * MARGIN),
               fire=kill_after_resume, fired=crash_injected_and_landed),
@@ -624,6 +647,7 @@ FAULTS = {kind.name: kind for kind in [
     FaultKind("node-lost", strategies=DATA_PARALLEL + SURVIVORS, nodes=2, launch=two_nodes, fire=lose_node,
               fired=node_lost_and_back, checks=at_survivors_size, expected=resumed_alike),
     FaultKind("spare-killed", ("ddp-survivors",), lost_processes=True, fire=kill_spare_then_rank),
+    FaultKind("two-at-once", SURVIVORS, lost_processes=True, min_ranks=3, restarts=2, fire=kill_two),
     FaultKind("replacement-killed", SURVIVORS, lost_processes=True, restarts=2, fire=kill_the_replacement),
     FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
               checks=no_step_lost),
