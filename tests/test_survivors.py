@@ -7,16 +7,21 @@ import time
 
 import pytest
 
-from conftest import DROPOUT, LONG, SMALL, metrics, refused, summary, torchrun, wait_for_step
+from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
+                      torchrun, wait_for_step)
 from harness import launch
 
 SCRIPT = "ddp/train.py"
 
 
-def survivors_run(run_dir, *flags, spares=0, script=SCRIPT, timeout=240):
-    """A --survivors job of 2 ranks; returns its output, after checking that it exited 0 with no Traceback."""
+def survivors_run(run_dir, *flags, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None):
+    """A --survivors job of 2 ranks; returns its output, after checking that it exited 0 with no Traceback.
+    `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs."""
     cmd, env = launch.survivors_job(script, 2, run_dir, flags, spares)
-    code, output, hung = launch.finish(launch.start(cmd, env, run_dir / "job.log"), time.time() + timeout)
+    proc = launch.start(wrap(cmd) if wrap else cmd, env, run_dir / "job.log")
+    if while_running:
+        while_running(proc)
+    code, output, hung = launch.finish(proc, time.time() + timeout)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
     return output
 
@@ -29,16 +34,23 @@ def process_story(run_dir, rank):
 def test_a_frozen_rank_is_fenced_and_replaced_cold_while_the_survivor_keeps_its_process(tmp_path, ddp_reference):
     # Rank 1 stops itself (SIGSTOP) after step 6: the supervisor kills it (a fence: it can never come
     # back), and a new process takes rank 1's place and restores step 5 from the memory tier with rank 0.
-    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--freeze-at-step", 6, "--crash-rank", 1,
-                           "--hang-timeout-s", 2)
+    # Meanwhile (frozen: the job waits) the job on one machine listens on the loopback only, its store
+    # and gloo, even where the host's name resolves to its network address.
+    def loopback_only(proc):
+        assert wait_for_step(run, 6, proc), "the job ended before step 6: the freeze never came"
+        sockets = listening(proc.pid)
+        assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
+    run = tmp_path / "run"
+    output = survivors_run(run, *SMALL, *DROPOUT, "--freeze-at-step", 6, "--crash-rank", 1, "--hang-timeout-s", 2,
+                           wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=loopback_only)
     assert "injected freeze: rank 1 after step 6" in output
     # Stopped for 2 s, or silent 4 s after rank 0 reported its collective's timeout: whichever comes first.
     assert re.search(r"supervisor: rank 1 \(slot 1\) (stopped for 2|held up generation 0 for 4) s: frozen, killed", output)
-    survivor, recovered = process_story(tmp_path, 0)
+    survivor, recovered = process_story(run, 0)
     assert len(survivor) == 1 and [(e["pid"], e["step"]) for e in recovered] == [(survivor[0], 5)]
-    frozen, replacement = metrics(tmp_path, 1, "start")
+    frozen, replacement = metrics(run, 1, "start")
     assert replacement["restarts"] == 1 and replacement["launched_at"] > recovered[0]["lost_at"]
-    assert summary(tmp_path)["param_digest"] == summary(ddp_reference)["param_digest"]
+    assert summary(run)["param_digest"] == summary(ddp_reference)["param_digest"]
 
 
 @pytest.mark.parametrize("flags, message", [
