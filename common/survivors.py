@@ -12,7 +12,7 @@ to the address of RDZV_ENDPOINT). The store holds:
     vacancy/<n>         "<rank> <gen> <node>": the n-th rank left by a dead process, for a process of
                         that node, or of any ("any": its node was lost) (count: vacancies)
     claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch,
-                        node by node)
+                        node * STRIDE + its place on the node, whatever the other nodes' --spares)
     g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
     g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
     node/<k>/...        node k's supervisor: its incarnation (one more each time it starts: a node that
@@ -46,6 +46,7 @@ import time
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
+STRIDE = 1000  # slots of node k: k * STRIDE + 0, 1, ... (a node runs fewer processes)
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 
@@ -102,7 +103,7 @@ class Team:
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])
         self.nproc = int(os.environ[NPROC])
-        self.node, self.local_slot = divmod(self.slot, self.slots)  # slots are numbered node by node
+        self.node, self.local_slot = divmod(self.slot, STRIDE)
         self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
         self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
 
@@ -335,7 +336,7 @@ class Supervisor:
             self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
         self.address = f"{host}:{port}"
         self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
-        self.own = range(node * self.slots, (node + 1) * self.slots)  # this node's slots, in the job's numbering
+        self.own = range(node * STRIDE, node * STRIDE + self.slots)  # this node's slots, in the job's numbering
         self.procs, self.restarts = {}, dict.fromkeys(self.own, 0)
         self.ended = False
         self.cut_off = False  # this node lost the store, or was given up as lost: it must not end the job
@@ -356,13 +357,18 @@ class Supervisor:
                **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
         self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
-    def holder(self, slot):
-        """The rank `slot` holds now (None: a spare): each vacancy's claim moved a rank to its claimant."""
-        owner = {r: r // self.nproc * self.slots + r % self.nproc for r in range(self.world)}  # the first launch's
+    def owners(self):
+        """{rank: the slot that holds it now (None: no process yet)}: the first launch's, then each
+        vacancy's claimant."""
+        owner = {r: r // self.nproc * STRIDE + r % self.nproc for r in range(self.world)}
         for n in range(1, self.store.add("vacancies", 0) + 1):
             rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
             owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
-        return next((r for r, s in owner.items() if s == slot), None)  # (slot: a spare's, a lost node's)
+        return owner
+
+    def holder(self, slot):
+        """The rank `slot` holds now (None: a spare's slot, or a lost node's)."""
+        return next((r for r, s in self.owners().items() if s == slot), None)
 
     def slot_of(self, rank):
         """This node's slot that holds `rank` (None: another node's, or none)."""
@@ -380,8 +386,7 @@ class Supervisor:
         """The processes of `slots` are gone: the ranks they held go to the next generation's newcomers,
         of this node (a spare, or a restart), or of any node (`node` "any": a node lost). One generation
         for them all: the group re-forms once."""
-        ranks = {slot: self.holder(slot) for slot in slots}
-        ranks = {slot: rank for slot, rank in ranks.items() if rank is not None}
+        ranks = {slot: rank for rank, slot in self.owners().items() if slot in slots}
         if not ranks:
             return
         gen = self.store.add("gen", 1)
@@ -472,7 +477,7 @@ class Supervisor:
         me = f"node {self.node}"
         if self.store.compare_set(f"node/{node}/lost/{incarnation}", "", me).decode() != me:
             return
-        self.vacate(range(node * self.slots, (node + 1) * self.slots), f"lost with node {node} ({why})", node="any")
+        self.vacate(range(node * STRIDE, (node + 1) * STRIDE), f"lost with node {node} ({why})", node="any")
 
     def run(self):
         if self.incarnation > 1:  # the node came back: its ranks went, or go now, to others; it starts spares

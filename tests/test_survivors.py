@@ -116,7 +116,7 @@ def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its
     lost_at = time.time()
     code, output, hung = launch.finish(first, lost_at + 120)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
-    assert "supervisor: rank 1 (slot 2) lost with node 1 (silent for 2 s)" in output
+    assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 2 s)" in output
     assert "ranks [1] had none (a replaced node): their records from the replicas, their shards from the ranks" \
            " that kept them" in output
     survivor, recovered = process_story(run, 0)
