@@ -291,14 +291,14 @@ def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nn
 def supervise(script, nproc, flags, spares, fence_s):
     """Run this node's part of a --survivors job (common/survivors.py's Supervisor) and exit with its status."""
     from common.survivors import Supervisor
-    nnodes, node, endpoint = os.environ.get("NNODES") or "1", os.environ.get("NODE_RANK"), None
+    nnodes, node = os.environ.get("NNODES") or "1", os.environ.get("NODE_RANK")
+    endpoint = os.environ.get("RDZV_ENDPOINT") if nnodes != "1" else None
     if nnodes != "1":
-        if ":" in nnodes or node is None:
-            print(f"run.sh: --survivors on several nodes takes a fixed NNODES and each node's NODE_RANK (got "
-                  f"NNODES={nnodes}{'' if node is None else f', NODE_RANK={node}'}): its nodes keep their ranks, and "
-                  "a spare of any node takes a lost one's", file=sys.stderr)
+        if ":" in nnodes or node is None or not endpoint:
+            print(f"run.sh: --survivors on several nodes takes a fixed NNODES, each node's NODE_RANK and RDZV_ENDPOINT "
+                  f"(got NNODES={nnodes}{'' if node is None else f', NODE_RANK={node}'}): its nodes keep their ranks, "
+                  "and a spare of any node takes a lost one's", file=sys.stderr)
             sys.exit(2)
-        endpoint = os.environ["RDZV_ENDPOINT"]  # (run.sh refuses a job of several nodes without it)
         print(f"run.sh: several nodes: the job's store ({endpoint}, on node 0) and gloo trust whoever connects: only "
               "the job's nodes must reach them", file=sys.stderr)
     env = {**os.environ, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}

@@ -64,13 +64,15 @@ def test_a_layout_that_cannot_run_is_refused_in_one_line(flags, message):
 
 
 def test_survivors_on_elastic_nodes_or_without_the_launcher_is_refused_in_one_line(monkeypatch, tmp_path):
-    for nnodes, node in [("1:2", "0"), ("2", None)]:  # its nodes keep their numbers: fixed, and each told its own
+    # Its nodes keep their numbers: a fixed count, each told its own, and where node 0 serves the store.
+    for nnodes, node, endpoint in [("1:2", "0", "localhost:1"), ("2", None, "localhost:1"), ("2", "0", None)]:
         monkeypatch.setenv("NNODES", nnodes)
-        monkeypatch.delenv("NODE_RANK", raising=False) if node is None else monkeypatch.setenv("NODE_RANK", node)
+        for name, value in (("NODE_RANK", node), ("RDZV_ENDPOINT", endpoint)):
+            monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr := io.StringIO()):
             launch.supervise(SCRIPT, 2, ["--survivors"], 0, 15.0)
         assert exit_.value.code == 2 and stderr.getvalue().count("\n") == 1, stderr.getvalue()
-        assert "takes a fixed NNODES and each node's NODE_RANK" in stderr.getvalue()
+        assert "takes a fixed NNODES, each node's NODE_RANK and RDZV_ENDPOINT" in stderr.getvalue()
     monkeypatch.delenv("FT_STORE", raising=False)
     from common.survivors import Team
     with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr := io.StringIO()):
