@@ -166,7 +166,7 @@ def remove(path):
 
 def prune(ckpt_dir, keep, committed_step, held=()):
     """After the commit of `committed_step`: keep it and the `keep - 1` committed checkpoints before
-    it, delete older ones but the steps `held` (not yet archived: common/archive.py), and drop
+    it, delete older ones but the steps `held` (not yet archived: tiers/archive.py), and drop
     uncommitted folders older than it (left by a crash; a newer one may still be being written by an
     async save). Checkpoints newer than the one just committed are never counted or deleted here. Call
     on one rank only."""
@@ -418,7 +418,7 @@ def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_f
         problem, _ = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)
         return problem and f"{path}: {problem}"
     if getattr(cfg, "archive", ""):  # no checkpoint here: the resume would fetch the archive's newest
-        from common.archive import newest_archived
+        from tiers.archive import newest_archived
         where, config = newest_archived(cfg.archive)
         problem = where and resume_problem({"format": fmt, "config": config}, cfg, fmt, shape_fields, sample_fields,
                                            cfg.allow_changes)[0]
@@ -502,8 +502,8 @@ class BaseCheckpointer:
     due, and writes a disk checkpoint every --save-every steps (--save-every 0: an interval by Young
     and Daly's rule), at the last step, and when the job is stopped (a preemption: then it exits 143
     for a restart), one save in flight at a time. finish() at the end commits the last save.
-    `snapshots` is the memory tier (common/snapshot.py) or None, `faults` the tests' faults
-    (common/faults.py) or None, `guard` the StepGuard (common/dist.py), `step_times` the loop's list."""
+    `snapshots` is the memory tier (tiers/snapshot.py) or None, `faults` the tests' faults
+    (tiers/faults.py) or None, `guard` the StepGuard (common/dist.py), `step_times` the loop's list."""
 
     def __init__(self, cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots, faults):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -613,12 +613,12 @@ class BaseCheckpointer:
 
 
 # ----------------------------------------------------------------------------- --archive
-# Rank 0's calls to the object-store tier (common/archive.py), imported only when --archive is set.
+# Rank 0's calls to the object-store tier (tiers/archive.py), imported only when --archive is set.
 def archive_of(cfg):
     """This process's uploader of --archive (started at the first call), or None without the flag."""
     if not getattr(cfg, "archive", ""):
         return None
-    from common.archive import open_archive
+    from tiers.archive import open_archive
     return open_archive(cfg.archive, dataclasses.asdict(cfg))
 
 
@@ -641,7 +641,7 @@ def fetch_archived(cfg, ckpt_dir, monitor, fetch=True):
     if archive is None:
         return
     if fetch and not checkpoints(ckpt_dir):
-        from common.archive import fetch_newest
+        from tiers.archive import fetch_newest
         try:
             step, nbytes, seconds = fetch_newest(cfg.archive, ckpt_dir)
         except Exception as e:

@@ -103,7 +103,7 @@ def flag_problems(cfg, data_ranks, ranges):
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
                  for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
     if getattr(cfg, "archive", ""):  # the object-store tier: a URL, s3fs, and a bucket that answers
-        from common.archive import archive_problems
+        from tiers.archive import archive_problems
         problems += archive_problems(cfg.archive)
     if not problems and cfg.batch_size % data_ranks:
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
@@ -125,16 +125,16 @@ def fail(message, prog=None, code=2):
     stop(code)
 
 
-# The scripts' fault flags (common/faults.py; deleted with it, they read as None).
+# The scripts' fault flags (tiers/faults.py; deleted with it, they read as None).
 FAULT_FLAGS = ("crash_at_step", "crash_in_save", "crash_in_staging", "crash_in_snapshot", "freeze_at_step",
                "nan_at_step")
 
 
 def faults_for(cfg, rank, world):
-    """The tests' faults (common/faults.py's Faults), made only when a fault flag is set; else None."""
+    """The tests' faults (tiers/faults.py's Faults), made only when a fault flag is set; else None."""
     if all(getattr(cfg, name, None) is None for name in FAULT_FLAGS):
         return None
-    from common.faults import Faults
+    from tiers.faults import Faults
     return Faults(cfg, rank, world)
 
 

@@ -9,7 +9,7 @@ x0 and stride k per row. Predicting a token needs the two before it, so the loss
 log(vocab) to near zero within a few hundred steps of a tiny model.
 
 With `path`: windows of seq_len + 1 tokens at random offsets of a token file or a text file,
-memory-mapped, so a step reads only the rows it draws. Its formats are common/tokens.py, imported
+memory-mapped, so a step reads only the rows it draws. Its formats are tiers/tokens.py, imported
 only when a file is given: without --data the module can be deleted.
 """
 import numpy as np
@@ -19,9 +19,9 @@ MAX_STRIDE = 8
 
 
 def data_problems(path, vocab, seq_len, flag="--data", train=None):
-    """What is wrong with `path` as training data (common/tokens.py), or as --val-data beside the --data
+    """What is wrong with `path` as training data (tiers/tokens.py), or as --val-data beside the --data
     file `train` (whose format it must have): one line, or []."""
-    from common.tokens import file_problems, pair_problems
+    from tiers.tokens import file_problems, pair_problems
     return file_problems(path, vocab, seq_len, flag) or (pair_problems(train, path) if train else [])
 
 
@@ -30,8 +30,8 @@ class StepData:
     def __init__(self, seed, global_batch, seq_len, vocab, path=None, flag="--data"):
         self.seed, self.global_batch, self.seq_len, self.vocab = seed, global_batch, seq_len, vocab
         self.tokens, self.format = None, f"synthetic arithmetic sequences (vocab {vocab})"
-        if path:  # a token file (common/tokens.py)
-            from common.tokens import file_problems, token_file
+        if path:  # a token file (tiers/tokens.py)
+            from tiers.tokens import file_problems, token_file
             problems = file_problems(path, vocab, seq_len, flag)  # `flag`: the file's, for the message
             if problems:
                 raise ValueError(problems[0])

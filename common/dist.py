@@ -67,10 +67,10 @@ def setup(device_choice="auto", timeout_s=300):
 
 
 def start(cfg):
-    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (common/survivors.py:
+    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (tiers/survivors.py:
     a process of the supervisor's that takes a rank, a spare waiting there for a dead rank's place)."""
     if getattr(cfg, "survivors", False):
-        from common.survivors import join
+        from tiers.survivors import join
         return join(cfg)
     return (None, *setup(cfg.device, cfg.timeout_s))
 

@@ -14,10 +14,10 @@ from the newest file that loads. Data and learning rate are functions of the ste
 restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
 stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
 
-Optional tiers are modules imported only where their flags ask for them: the memory tier (common/snapshot.py,
+Optional tiers are modules imported only where their flags ask for them: the memory tier (tiers/snapshot.py,
 on by default: each step's state in /dev/shm, so a restart replays at most one step), token files
-(common/tokens.py, --data), the survivors (common/survivors.py, --survivors: a dead rank is replaced alone),
-the archive (common/archive.py, --archive: checkpoints copied to S3) and the tests' faults (common/faults.py).
+(tiers/tokens.py, --data), the survivors (tiers/survivors.py, --survivors: a dead rank is replaced alone),
+the archive (tiers/archive.py, --archive: checkpoints copied to S3) and the tests' faults (tiers/faults.py).
 """
 import contextlib
 import dataclasses
@@ -101,7 +101,7 @@ class Config:
     freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
-    survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (common/survivors.py)
+    survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (tiers/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
     light_every: Optional[int] = None  # every N steps, the model's weights alone in light/step-NNNNNNNN.pt (plain torch.load; never resumed from)
@@ -127,13 +127,13 @@ def check(cfg):
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
                    else []))
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
-        from common.survivors import layout_problems
+        from tiers.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg, lambda p: read_checkpoint(p, mmap=True), FORMAT,
                                    SHAPE_FIELDS, SAMPLE_FIELDS)  # the newest readable checkpoint must fit
     problems += [resume] if resume else []
-    if not problems and cfg.snapshot_every:  # room for the memory tier's slots (common/snapshot.py)
-        from common.snapshot import tier_problems
+    if not problems and cfg.snapshot_every:  # room for the memory tier's slots (tiers/snapshot.py)
+        from tiers.snapshot import tier_problems
         problems += tier_problems(cfg, num_params_of(cfg), sharded=False)  # one copy per node
     return problems
 
@@ -292,7 +292,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = faults_for(cfg, rank, world)  # the tests' faults (common/faults.py), only when one is asked for
+        faults = faults_for(cfg, rank, world)  # the tests' faults (tiers/faults.py), only when one is asked for
 
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
@@ -315,9 +315,9 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # The memory tier (common/snapshot.py): each rank's RNG; the state once a node, a part copied by each rank.
+        # The memory tier (tiers/snapshot.py): each rank's RNG; the state once a node, a part copied by each rank.
         def memory_tier():  # opened at the start, and again over a re-formed group (--survivors)
-            from common.snapshot import open_tier
+            from tiers.snapshot import open_tier
             return open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
 
         snapshots = memory_tier() if cfg.snapshot_every else None

@@ -17,10 +17,10 @@ folders that did not load are moved aside, never deleted. A loss that is not fin
 unsaved.
 
 Optional tiers are modules imported only where their flags ask for them: the memory tier
-(common/snapshot.py, on by default: each rank's shards in /dev/shm every step, so a restart replays
-at most one step), token files (common/tokens.py, --data), the survivors (common/survivors.py,
+(tiers/snapshot.py, on by default: each rank's shards in /dev/shm every step, so a restart replays
+at most one step), token files (tiers/tokens.py, --data), the survivors (tiers/survivors.py,
 --survivors: the other ranks keep running while a dead one is replaced), the object store
-(common/archive.py, --archive: each checkpoint copied to S3 in the background) and the tests' faults.
+(tiers/archive.py, --archive: each checkpoint copied to S3 in the background) and the tests' faults.
 """
 import dataclasses
 import json
@@ -107,7 +107,7 @@ class Config:
     freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
-    survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (common/survivors.py)
+    survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (tiers/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
     light_every: Optional[int] = None  # every N steps, the model's weights alone in light/step-NNNNNNNN.pt (plain torch.load; never resumed from)
@@ -129,14 +129,14 @@ def check(cfg):
                 + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
                    else []))
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
-        from common.survivors import layout_problems
+        from tiers.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     problems += [resume] if resume else []
-    if not problems and cfg.snapshot_every:  # room for the memory tier's slots (common/snapshot.py)
-        from common.snapshot import tier_problems
+    if not problems and cfg.snapshot_every:  # room for the memory tier's slots (tiers/snapshot.py)
+        from tiers.snapshot import tier_problems
         problems += tier_problems(cfg, num_params_of(cfg), sharded=True)  # each rank's shards
     return problems
 
@@ -238,7 +238,7 @@ def main(cfg):
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = faults_for(cfg, rank, world)  # the tests' faults (common/faults.py), only when one is asked for
+        faults = faults_for(cfg, rank, world)  # the tests' faults (tiers/faults.py), only when one is asked for
         # --------------------------------------------------------------------- data
         data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
         print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
@@ -258,9 +258,9 @@ def main(cfg):
             # The mesh over the world group, for its timeout (init_device_mesh's group has gloo's 30 minutes).
             model = build_model(cfg, DeviceMesh.from_group(dist.group.WORLD, device.type), device, bf16, monitor)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-            snapshots = None  # the memory tier (common/snapshot.py): a rank's shards and RNG, also on the next node
+            snapshots = None  # the memory tier (tiers/snapshot.py): a rank's shards and RNG, also on the next node
             if cfg.snapshot_every:
-                from common.snapshot import open_tier
+                from tiers.snapshot import open_tier
                 snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
                                       "shards")
             return Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots,

@@ -98,7 +98,7 @@ HANG_FLAGS_DEFAULT = ["--hang-timeout-s", 5]
 SURVIVORS = tuple(s for s in STRATEGIES if s.endswith("-survivors"))
 # The parameter server neither reshards nor saves on SIGTERM: node-lost and preempt are for these.
 DATA_PARALLEL = tuple(s for s in STRATEGIES if not s.startswith("rpc") and s not in SURVIVORS)
-# ddp and fsdp snapshot every step into memory (common/snapshot.py): a process that dies costs them at
+# ddp and fsdp snapshot every step into memory (tiers/snapshot.py): a process that dies costs them at
 # most one step. The parameter server has no memory tier.
 NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL + SURVIVORS}
 MARK = ".chaos-out"  # in --out: the folder is this runner's to empty, not the user's
@@ -482,7 +482,7 @@ def node_lost_and_back(job):
 
 def no_spare(job):
     """The processes of a --survivors job's first launch that hold no rank: spares (FIRST_RANK unset)."""
-    from common.survivors import FIRST_RANK
+    from tiers.survivors import FIRST_RANK
     return [pid for pid, env in children(job.proc.pid).items() if FIRST_RANK not in env]
 
 

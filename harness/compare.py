@@ -234,7 +234,7 @@ def main(argv=None):
     print(render(results, args.format))
     if "memory_tier" in results and args.format != "json":
         print("\n" + render_side_table(results["memory_tier"], TIER_ROWS, "memory tier", f"The memory tier (a snapshot "
-                                        f"every step, common/snapshot.py), model {TIER_SIZE}", args.format))
+                                        f"every step, tiers/snapshot.py), model {TIER_SIZE}", args.format))
     if "straggler" in results and args.format != "json":
         print("\n" + render_side_table(results["straggler"], STRAGGLER_ROWS, "straggler", f"The parameter server "
                                         f"with one trainer {STRAGGLER_FACTOR}x slower (--slow-trainer, the last rank), "

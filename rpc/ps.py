@@ -63,7 +63,7 @@ from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED
 from common.data import StepData, data_problems
 from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_rendezvous, pick_device,
                          print0, refuse_unsafe_restarts, restarts)
-from common.faults import Faults
+from tiers.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
 from rpc.server import ParameterServer, Reply, kill_stuck_trainers, set_server
@@ -363,7 +363,7 @@ def main(cfg):
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
-    faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")  # for the tests (common/faults.py)
+    faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")  # for the tests (tiers/faults.py)
 
     # ------------------------------------------------------------------------- data
     data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)

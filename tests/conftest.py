@@ -64,7 +64,7 @@ def no_snapshots_left_behind(tmp_path_factory):
     for a restart that the tests never make: remove the folders in /dev/shm of this session's run
     folders (another session's, or another job's, are not this one's to remove)."""
     yield
-    from common.snapshot import default_dir
+    from tiers.snapshot import default_dir
     for folder, _, _ in os.walk(tmp_path_factory.getbasetemp()):
         if default_dir(folder):
             shutil.rmtree(default_dir(folder), ignore_errors=True)

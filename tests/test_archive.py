@@ -1,4 +1,4 @@
-"""--archive s3://bucket/prefix (common/archive.py) and --light-every, against a real S3 server (conftest's s3:
+"""--archive s3://bucket/prefix (tiers/archive.py) and --light-every, against a real S3 server (conftest's s3:
 SeaweedFS's `weed mini`, keys required, on loopback ports of its own). Each test archives under a prefix of
 its own. rpc/ps.py's archive: tests/test_rpc.py's reference job."""
 import dataclasses

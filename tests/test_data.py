@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.data import StepData, data_problems
-from common.tokens import GPT2_MAGIC, LLAMA3_MAGIC, write_tokens
+from tiers.tokens import GPT2_MAGIC, LLAMA3_MAGIC, write_tokens
 
 FOX = "the quick brown fox jumps over the lazy dog. " * 40
 

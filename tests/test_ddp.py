@@ -18,7 +18,7 @@ import torch
 from common import checkpoint
 from common.checkpoint import checkpoints, lock_run_dir, step_name
 from common.config import parse_config
-from common.tokens import write_tokens
+from tiers.tokens import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
 from conftest import (DROPOUT, LONG, LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, run_sh, summary,
@@ -192,7 +192,7 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(daly_job):
     (["--run-dir", "/etc/hostname/run"], "--run-dir: /etc/hostname/run is not a writable folder"),
     (["--run-dir", "CKPT_IS_A_FILE"], "ckpt is not a writable folder"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
-    # Token files (common/tokens.py), each refused before training, the file never read whole.
+    # Token files (tiers/tokens.py), each refused before training, the file never read whole.
     (["--data", "EMPTY.bin"], "is empty"),
     (["--data", "ODD.bin"], "bytes are an odd count"),
     (["--data", "WRONG_MAGIC.tokens"], "but its magic is 20240521"),
@@ -368,7 +368,7 @@ def test_trains_on_a_text_file_or_a_token_file(tmp_path, kind):
     if kind == "text":
         data, vocab, detected = tmp_path / "corpus.txt", 256, "data: bytes of a text file"
         data.write_text("It was the best of times, it was the worst of times. " * 50)
-    else:  # what any tokenizer's ids become with common.tokens.write_tokens (llm.c's header, uint16)
+    else:  # what any tokenizer's ids become with tiers.tokens.write_tokens (llm.c's header, uint16)
         data, vocab, detected = tmp_path / "train.tokens", 300, "data: llm.c uint16 GPT-2 tokens"
         write_tokens(data, [(7 * i) % 300 for i in range(3000)])
     proc = single(tmp_path / "run", *SMALL, "--steps", 8, "--data", data, "--vocab", vocab)

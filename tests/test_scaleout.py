@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from common import snapshot
+from tiers import snapshot
 from harness.launch import ELASTIC_RDZV_CONF, finish, free_port, kill_node, start, torchrun as torchrun_command
 from harness.metrics import Watch, phases
 from conftest import LONG, REPO, SMALL, metrics, summary, torchrun, wait_for_step

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from common import snapshot
+from tiers import snapshot
 from common.checkpoint import param_digest, rng_state
 
 CONFIG = {"seed": 0, "dim": 8}

@@ -1,5 +1,5 @@
 """--survivors: a dead or frozen rank is replaced alone (by a spare when one waits), the other ranks keep
-their processes, and the job ends with the weights of one that never failed (common/survivors.py)."""
+their processes, and the job ends with the weights of one that never failed (tiers/survivors.py)."""
 import contextlib
 import io
 import re
@@ -74,7 +74,7 @@ def test_survivors_on_elastic_nodes_or_without_the_launcher_is_refused_in_one_li
         assert exit_.value.code == 2 and stderr.getvalue().count("\n") == 1, stderr.getvalue()
         assert "takes a fixed NNODES, each node's NODE_RANK and RDZV_ENDPOINT" in stderr.getvalue()
     monkeypatch.delenv("FT_STORE", raising=False)
-    from common.survivors import Team
+    from tiers.survivors import Team
     with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr := io.StringIO()):
         Team(300, 15)
     assert exit_.value.code == 2 and "runs under run.sh" in stderr.getvalue()

@@ -8,8 +8,8 @@ import pytest
 from conftest import DROPOUT, REPO, SMALL, summary, torchrun
 from common.checkpoint import checkpoints
 
-TIERS = ["common/snapshot.py", "common/replica.py", "common/tokens.py", "common/survivors.py", "common/archive.py",
-         "common/faults.py"]
+TIERS = ["tiers/snapshot.py", "tiers/replica.py", "tiers/tokens.py", "tiers/survivors.py", "tiers/archive.py",
+         "tiers/faults.py"]
 
 
 def copy_without(root, script, modules):

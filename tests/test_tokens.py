@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from common.tokens import write_tokens
+from tiers.tokens import write_tokens
 from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun
 
 TOKENS = [(7 * i + i // 13) % 300 for i in range(4000)]  # any tokenizer's ids, vocabulary 300

@@ -1,4 +1,4 @@
-"""The memory tier's peer replicas (common/snapshot.py), for a job on several nodes: each rank's record
+"""The memory tier's peer replicas (tiers/snapshot.py), for a job on several nodes: each rank's record
 of a snapshot, and for FSDP its shards, are also kept by the same local rank of the next node, so that a
 node replaced with an empty memory still resumes from memory. snapshot.open_tier makes a Replica only
 when the job has several nodes; a job on one node never imports this module.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import atomic_write
-from common.snapshot import checksum, map_file, read_checked
+from tiers.snapshot import checksum, map_file, read_checked
 
 
 class Replica:

@@ -25,7 +25,7 @@ The copy runs in a thread of its own while the next step's forward and backward 
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
 
 On several nodes (open_tier's `replicate`) each record also goes to the same local rank of the next
-node (common/replica.py, imported only then), so that a node replaced with an empty memory still
+node (tiers/replica.py, imported only then), so that a node replaced with an empty memory still
 resumes from memory.
 
 Its face: open_tier() once, with the model and the optimizer (the tier waits for its copy before each
@@ -94,7 +94,7 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     A snapshot's config is checked as a disk checkpoint's would be (its model's shape, and
     `sample_fields` unless they may change). `replicate` keeps each record ("records": DDP, whose nodes
     hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
-    next node (common/replica.py), when there is one."""
+    next node (tiers/replica.py), when there is one."""
     folder = folder_of(cfg)
     problems = [None] * dist.get_world_size()  # made here (it may have been made by another since the check)
     dist.all_gather_object(problems, private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir "
@@ -108,7 +108,7 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     replica = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
-        from common.replica import Replica
+        from tiers.replica import Replica
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
         replica = Replica(folder, ids[0], rank, (rank + local) % world, (rank - local) % world, side, replicate, FORMAT)
     snapshots = Snapshots(folder, ids[0], rank, group, cfg.snapshot_every, {"world_size": world,
@@ -307,7 +307,7 @@ class Snapshots:
     each copying and checksumming its part: an FSDP rank is a group of its own (its shards); DDP's
     ranks on a node form one group, their states being the same. `header` is what every record says of
     the run (its id, world size, config); `check(record)` is a record's config problem, or None.
-    `replica` (common/replica.py), on several nodes: each record (and its shards) is also kept by a
+    `replica` (tiers/replica.py), on several nodes: each record (and its shards) is also kept by a
     rank of the next node, and this rank keeps those of the node before."""
 
     def __init__(self, folder, run, rank, group, every, header, model, optimizer, check, replica=None):

@@ -62,7 +62,7 @@ def token_file(path):
         # train on its header. A magic from another tool or version, or a corrupted one.
         raise ValueError(f"has llm.c's header (256 int32 counting its {count:,} tokens) but its magic is "
                          f"{ints[0]}, not {' or '.join(map(str, LLMC_FORMATS))}: write it again with "
-                         f"write_tokens() in common/tokens.py")
+                         f"write_tokens() in tiers/tokens.py")
     if Path(path).suffix.lower() == ".bin":
         if text_problem(path) is None:  # a token stream has ids below 256, with a NUL byte, in its first 64 KiB
             raise ValueError("is named *.bin, as nanoGPT's flat uint16 tokens are, but is plainly text: rename it "
@@ -73,12 +73,12 @@ def token_file(path):
         return TokenFile(str(path), "<u2", 0, size // 2, f"nanoGPT flat uint16 tokens (.bin, {size // 2:,} tokens)")
     if Path(path).suffix.lower() == ".json":
         raise ValueError("is a JSON file (a tokenizer's vocabulary or a config), not a corpus: give the token file "
-                         "written from the tokenizer's ids (write_tokens() in common/tokens.py), or a text file")
+                         "written from the tokenizer's ids (write_tokens() in tiers/tokens.py), or a text file")
     problem = text_problem(path)
     if problem:
         raise ValueError(f"is neither a token file (llm.c's, with its header; nanoGPT's flat uint16, named *.bin) "
                          f"nor plainly text ({problem}): if it holds flat uint16 ids, name it *.bin; otherwise "
-                         f"write the ids with write_tokens() in common/tokens.py")
+                         f"write the ids with write_tokens() in tiers/tokens.py")
     return TokenFile(str(path), "u1", 0, size, f"bytes of a text file (vocab 256, {size:,} bytes)")
 
 
@@ -91,7 +91,7 @@ def llmc_token_file(path, size, ints):
     if ints[1] != version:
         known = ", ".join(f"{v} with magic {m} ({k})" for m, (v, _, k) in LLMC_FORMATS.items())
         raise ValueError(f"is an llm.c token file (magic {magic}) of version {ints[1]}, which is not read here "
-                         f"(only {known}): write it again with write_tokens() in common/tokens.py")
+                         f"(only {known}): write it again with write_tokens() in tiers/tokens.py")
     count, itemsize = int(ints[2]), np.dtype(dtype).itemsize
     if size != HEADER_BYTES + count * itemsize:
         raise ValueError(f"has an llm.c header counting {count:,} {kind} tokens ({HEADER_BYTES + count * itemsize:,} "

@@ -1,7 +1,7 @@
 """The object-store tier (--archive s3://bucket/prefix): every checkpoint that commits in the run folder is
 copied to S3 by a background process, and a job whose run folder holds no checkpoint resumes from the
 newest archived one. Imported only when --archive is set; it imports no torch (the uploader, `python -m
-common.archive URL`, runs it alone) and needs s3fs (requirements.txt).
+tiers.archive URL`, runs it alone) and needs s3fs (requirements.txt).
 
 Layout: s3://bucket/prefix/step-NNNNNNNN/ holds a checkpoint's files (a DCP folder's, `.metadata` last
 of them; or the one step-NNNNNNNN.pt), then ARCHIVED.json, the commit: each file's bytes and sha256, the
@@ -222,7 +222,7 @@ class Archive:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         if self.proc is not None:
             env.pop(FAULT, None)  # a fault fires once
-        self.proc = subprocess.Popen([sys.executable, "-m", "common.archive", self.url, str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tiers.archive", self.url, str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         proc = self.proc
         self.reader = threading.Thread(target=lambda: [self.results.put(json.loads(line)) for line in proc.stdout],

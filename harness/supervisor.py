@@ -1,0 +1,291 @@
+"""The survivors' supervisor, one a node (the launcher's side of tiers/survivors.py, whose docstring gives the
+store's keys): the node's processes, each started again alone when it dies, a fence for a frozen one, the beats
+of the nodes, and on node 0 the job's store. Runs in the launcher (harness/launch.py), never in a worker."""
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import time
+
+from tiers.survivors import FIRST_RANK, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD
+
+BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
+
+
+def serve_store(host, port=0, timeout_s=300):
+    """(store, port): the job's store, served by this process from a socket bound to `host`'s address
+    only (127.0.0.1 for a job on one node), on `port` (0: a free one)."""
+    import torch.distributed as dist
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(address[0], port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          master_listen_fd=listener.detach(), wait_for_workers=False)
+    return store, port
+
+
+def _die_with_parent():
+    """In a worker, before exec: the kernel SIGKILLs it when the supervisor dies (no orphan trains on)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class StoreLost(Exception):
+    """The job's store, on node 0, stopped answering: that node's launcher is gone."""
+
+
+class Supervisor:
+    """The processes of one node of a job in this mode (see the module's docstring), and on node 0 the
+    job's store.
+
+    `cmd` runs the script; `nproc` ranks a node on `nnodes` nodes (this one `node`; `endpoint` host:port
+    of node 0's store when there are several) and `spares` waiting processes, each restarted up to
+    `max_restarts` times; a process stopped for `fence_s`, or a rank that reports no loss within twice
+    that of a peer's report, is SIGKILLed (fenced) and replaced; node 0 gives away the ranks of a node
+    silent for `fence_s` after a report. run() returns this node's exit status."""
+
+    def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None):
+        import torch.distributed as dist
+        self.cmd, self.env, self.nproc, self.world, self.slots = cmd, env, nproc, nproc * nnodes, nproc + spares
+        self.node, self.nnodes = node, nnodes
+        self.max_restarts, self.fence_s, self.stop_file = max_restarts, fence_s, stop_file
+        host, port = endpoint.rsplit(":", 1) if endpoint else ("127.0.0.1", 0)
+        if node == 0:
+            self.store, port = serve_store(host, int(port))
+            self.store.add("gen", 0)
+            self.store.add("vacancies", 0)
+        else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
+            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+        self.address = f"{host}:{port}"
+        self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
+        self.own = range(node * STRIDE, node * STRIDE + self.slots)  # this node's slots, in the job's numbering
+        self.procs, self.restarts = {}, dict.fromkeys(self.own, 0)
+        self.ended = False
+        self.cut_off = False  # this node lost the store, or was given up as lost: it must not end the job
+        self.signalled = []
+        self.watch = None  # (the current generation, when it was first seen)
+        self.stopped_since = {}  # slot -> when its process was first seen stopped
+        self.beats = {}  # node 0: node -> (its incarnation, its beat, when that beat was first seen)
+
+    def start(self, slot):
+        # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
+        # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
+        threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
+        local = slot - self.own.start
+        first = local < self.nproc and self.restarts[slot] == 0 and self.incarnation == 1
+        env = {**threads, **self.env, STORE: self.address, SLOT: str(slot), WORLD: str(self.world),
+               SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
+               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+               **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
+        self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def owners(self):
+        """{rank: the slot that holds it now (None: no process yet)}: the first launch's, then each
+        vacancy's claimant."""
+        owner = {r: r // self.nproc * STRIDE + r % self.nproc for r in range(self.world)}
+        for n in range(1, self.store.add("vacancies", 0) + 1):
+            rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
+            owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
+        return owner
+
+    def holder(self, slot):
+        """The rank `slot` holds now (None: a spare's slot, or a lost node's)."""
+        return next((r for r, s in self.owners().items() if s == slot), None)
+
+    def slot_of(self, rank):
+        """This node's slot that holds `rank` (None: another node's, or none)."""
+        return next((s for s in self.own if self.holder(s) == rank), None)
+
+    def stopped(self, slot):
+        """Whether the process of `slot` is stopped (SIGSTOP: state T in /proc; not a debugger's stop, t)."""
+        try:
+            with open(f"/proc/{self.procs[slot].pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError, TypeError, KeyError):
+            return False
+
+    def vacate(self, slots, why, node=None):
+        """The processes of `slots` are gone: the ranks they held go to the next generation's newcomers,
+        of this node (a spare, or a restart), or of any node (`node` "any": a node lost). One generation
+        for them all: the group re-forms once."""
+        ranks = {slot: rank for rank, slot in self.owners().items() if slot in slots}
+        if not ranks:
+            return
+        gen = self.store.add("gen", 1)
+        for slot, rank in ranks.items():
+            n = self.store.add("vacancies", 1)
+            self.store.set(f"vacancy/{n}", f"{rank} {gen} {node or self.node}")
+            print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process "
+                  f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
+
+    def fence(self):
+        """Kill (fence) the processes that hold the job up for fence_s, so that the supervisor replaces
+        them: one stopped (SIGSTOP) that long, whatever its peers wait in (a save waits --timeout-s); and,
+        once a survivor has reported a loss and no process died for 2 fence_s, the ranks of this node
+        that reported none (frozen otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent."""
+        gen, now = self.store.add("gen", 0), time.monotonic()
+        for slot in self.own:
+            if not self.stopped(slot):
+                self.stopped_since.pop(slot, None)
+            elif now - self.stopped_since.setdefault(slot, now) >= self.fence_s:
+                self.kill(slot, f"stopped for {self.fence_s:.0f} s")
+                self.stopped_since.pop(slot)
+        if self.node == 0:
+            self.find_lost_nodes(gen, now)
+        if self.store.add(f"g{gen}/lost", 0) == 0:
+            return
+        if self.watch is None or self.watch[0] != gen:  # the first report of a loss in this generation
+            self.watch = (gen, now)
+            return
+        # A rank in a collective that began before the loss reports it within fence_s (its timeout, once
+        # training runs): one silent twice that long is frozen otherwise.
+        if now - self.watch[1] < 2 * self.fence_s:
+            return
+        for rank in (r for r in range(self.world) if not self.store.check([f"g{gen}/lost/{r}"])):
+            slot = self.slot_of(rank)
+            if slot is not None:
+                self.kill(slot, f"held up generation {gen} for {2 * self.fence_s:.0f} s")
+        self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def find_lost_nodes(self, gen, now):
+        """Node 0: a node whose supervisor has not beaten for fence_s while a survivor reports a loss is
+        lost whole (its processes die with their supervisor): its ranks go to spares of any node. Its
+        supervisor, if it was only cut off, fences its own processes when it reads that it was lost."""
+        for node in range(1, self.nnodes):
+            seen = (self.store.add(f"node/{node}/incarnation", 0), self.store.add(f"node/{node}/beat", 0))
+            if self.beats.get(node, (None, None))[:2] != seen:
+                self.beats[node] = (*seen, now)
+            elif now - self.beats[node][2] >= self.fence_s and self.store.add(f"g{gen}/lost", 0) > 0:
+                self.give_away(node, seen[0], f"silent for {self.fence_s:.0f} s")
+
+    def kill(self, slot, why):
+        """Fence the process of `slot`: SIGKILL, which a stopped process obeys too; its death is replaced."""
+        if self.procs[slot].poll() is None:
+            rank = self.holder(slot)
+            print(f"supervisor: {f'rank {rank}' if rank is not None else 'a spare'} (slot {slot}) {why}: frozen, "
+                  "killed (fenced)", flush=True)
+            self.procs[slot].kill()
+
+    def end(self):
+        """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy)."""
+        self.store.set("end", "1")
+        self.store.set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "end")
+
+    def beat(self):
+        """Say this node lives; raise StoreLost if node 0 is gone, and SystemExit if node 0 found this node
+        silent and gave its ranks away (its processes are then stale: they are killed)."""
+        import torch.distributed as dist
+        try:
+            self.store.add(f"node/{self.node}/beat", 1)
+            lost = self.store.check([f"node/{self.node}/lost/{self.incarnation}"])
+        except (RuntimeError, dist.DistError) as e:
+            self.cut_off = True
+            raise StoreLost(str(e).strip()[:100]) from None
+        if lost:
+            self.cut_off = True
+            self.kill_all()
+            raise SystemExit(f"supervisor: node {self.node} was silent for {self.fence_s:.0f} s and its ranks were "
+                             "given to others: its processes killed (fenced); start it again to add its spares")
+
+    def kill_all(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def give_away(self, node, incarnation, why):
+        """The ranks that node `node` held in its `incarnation` go to processes of any node, once: whoever
+        says so first (node 0, finding it silent; the node, come back) posts the vacancies."""
+        me = f"node {self.node}"
+        if self.store.compare_set(f"node/{node}/lost/{incarnation}", "", me).decode() != me:
+            return
+        self.vacate(range(node * STRIDE, (node + 1) * STRIDE), f"lost with node {node} ({why})", node="any")
+
+    def run(self):
+        if self.incarnation > 1:  # the node came back: its ranks went, or go now, to others; it starts spares
+            self.give_away(self.node, self.incarnation - 1, "started again")
+        for slot in self.own:
+            self.start(slot)
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+            signal.signal(number, self.pass_on)
+        code, rounds = None, 0
+        try:
+            while code is None:
+                rounds += 1
+                if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1:
+                    self.beat()
+                code = self.round(fence=rounds % BEAT_ROUNDS == 0)  # deaths every 5 ms, hangs every 0.1 s
+                time.sleep(POLL_S)
+        except StoreLost as e:
+            print(f"supervisor: node {self.node} lost the job's store on node 0 ({e}): this node's processes "
+                  "killed; the job restarts whole (run it again: it resumes from memory or disk)", flush=True)
+            self.kill_all()
+            return 1
+        finally:  # spares leave at the end; whatever still runs after a while is killed
+            if not self.cut_off:
+                self.end()
+            for proc in self.procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10 if self.ended else 0)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    code = code or 1
+            self.leave()
+        return code
+
+    def leave(self):
+        """Several nodes: say this node is done; node 0, whose process holds the store, waits for the
+        others' (not for a node it found lost) before it goes, as their spares still read the store."""
+        if self.nnodes == 1 or self.cut_off:
+            return
+        with contextlib.suppress(RuntimeError):  # node 0's store gone meanwhile: nothing to say
+            self.store.set(f"node/{self.node}/done", "1")
+            deadline = time.monotonic() + 60
+            others = list(range(1, self.nnodes)) if self.node == 0 else []
+            while others and time.monotonic() < deadline:
+                others = [k for k in others if not self.store.check([f"node/{k}/done"]) and not self.store.check(
+                    [f"node/{k}/lost/{self.store.add(f'node/{k}/incarnation', 0)}"])]
+                time.sleep(0.1)
+
+    def round(self, fence):
+        """One look at the processes: None while the job runs, else its exit status. A process that ends
+        with 0 (done, or a stop: its code in the stop file) or 143 (preempted), or any after a signal,
+        ends the job; any other is replaced alone."""
+        ended = False
+        for slot, proc in self.procs.items():
+            status = proc.poll()
+            if status is None:
+                continue
+            if status in (0, 143) or self.signalled or os.path.exists(self.stop_file):
+                ended = True
+                continue
+            if self.restarts[slot] >= self.max_restarts:
+                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times (exit {status}): "
+                      "ending the job", flush=True)
+                return 1
+            self.vacate([slot], f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
+            self.restarts[slot] += 1
+            self.start(slot)
+        if ended:
+            self.ended = True
+            self.end()
+            for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(60, self.fence_s * 4))
+            statuses = [p.poll() for p in self.procs.values()]
+            return next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
+        if fence:
+            self.fence()
+        return None
+
+    def pass_on(self, number, _):
+        self.signalled.append(number)
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(number)
