@@ -8,9 +8,9 @@ Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with 
 x0 and stride k per row. Predicting a token needs the two before it, so the loss falls from
 log(vocab) to near zero within a few hundred steps of a tiny model.
 
-With `path`: windows of seq_len + 1 tokens at random offsets of a token file or a text file,
-memory-mapped, so a step reads only the rows it draws. Its formats are tiers/tokens.py, imported
-only when a file is given: without --data the module can be deleted.
+With a `source` (anything with `tokens()`, an array of token ids, and `format`, its description: a
+token file of tiers/tokens.py, opened by the script when --data asks for one): windows of seq_len + 1
+tokens at random offsets of it, so a step reads only the rows it draws.
 """
 import numpy as np
 import torch
@@ -18,24 +18,12 @@ import torch
 MAX_STRIDE = 8
 
 
-def data_problems(path, vocab, seq_len, flag="--data", train=None):
-    """What is wrong with `path` as training data (tiers/tokens.py), or as --val-data beside the --data
-    file `train` (whose format it must have): one line, or []."""
-    from tiers.tokens import file_problems, pair_problems
-    return file_problems(path, vocab, seq_len, flag) or (pair_problems(train, path) if train else [])
-
-
 # --------------------------------------------------------------------------- batches
 class StepData:
-    def __init__(self, seed, global_batch, seq_len, vocab, path=None, flag="--data"):
+    def __init__(self, seed, global_batch, seq_len, vocab, source=None):
         self.seed, self.global_batch, self.seq_len, self.vocab = seed, global_batch, seq_len, vocab
         self.tokens, self.format = None, f"synthetic arithmetic sequences (vocab {vocab})"
-        if path:  # a token file (tiers/tokens.py)
-            from tiers.tokens import file_problems, token_file
-            problems = file_problems(path, vocab, seq_len, flag)  # `flag`: the file's, for the message
-            if problems:
-                raise ValueError(problems[0])
-            source = token_file(path)
+        if source is not None:  # a token file (tiers/tokens.py)
             self.tokens, self.format = source.tokens(), source.format
 
     def global_rows(self, step):
@@ -66,13 +54,12 @@ class StepData:
         return [self.batch(-1 - i, rank, world_size) for i in range(n)]
 
 
-def eval_batches(cfg, rank, world_size):
-    """--eval-every: the --eval-batches held-out batches of --val-data (default: --data, or the synthetic
-    task) that every evaluation uses, announced by rank 0; [] when evaluation is off."""
+def eval_batches(cfg, rank, world_size, source=None):
+    """--eval-every: the --eval-batches held-out batches of `source` (--val-data, else --data; None: the
+    synthetic task) that every evaluation uses, announced by rank 0; [] when evaluation is off."""
     if not cfg.eval_every:
         return []
-    val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.val_data or cfg.data or None,
-                   "--val-data" if cfg.val_data else "--data")
+    val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
     if rank == 0:
         print(f"eval: every {cfg.eval_every} steps, {cfg.eval_batches} batches of {val.format}", flush=True)
     return val.held_out(cfg.eval_batches, rank, world_size)

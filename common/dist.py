@@ -66,21 +66,6 @@ def setup(device_choice="auto", timeout_s=300):
     return rank, world_size, device
 
 
-def start(cfg):
-    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (tiers/survivors.py:
-    a process of the supervisor's that takes a rank, a spare waiting there for a dead rank's place)."""
-    if getattr(cfg, "survivors", False):
-        from tiers.survivors import join
-        return join(cfg)
-    return (None, *setup(cfg.device, cfg.timeout_s))
-
-
-def node_ranks():
-    """The ranks of this node's processes: torchrun numbers a node's ranks in a row."""
-    first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
-    return range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
 def loopback_store(rank, world_size, timeout):
     """The process group's store at 127.0.0.1:MASTER_PORT, served by rank 0 from a socket bound there."""
     port, fd = int(os.environ["MASTER_PORT"]), None
@@ -201,10 +186,11 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 @contextlib.contextmanager
-def peer_loss_in_one_line(run_dir):
+def peer_loss_in_one_line(run_dir, supervised=False):
     """A collective that fails because a peer died or hung (a crash that torchrun recovers from): one
     line, and the traceback in <run-dir>/traceback-rank<r>.txt, instead of 40 lines on the console
-    that read like a disaster. Exit 1, so that torchrun restarts the workers. Other errors as they are."""
+    that read like a disaster. Exit 1, so that torchrun (`supervised`: the survivors' supervisor, which
+    fences on its own) starts a process again. Other errors as they are."""
     try:
         yield
     except RuntimeError as e:  # gloo's errors are RuntimeErrors; NCCL's DistBackendError is one too
@@ -214,9 +200,8 @@ def peer_loss_in_one_line(run_dir):
         rank, path = os.environ.get("RANK", "0"), Path(run_dir) / f"traceback-rank{os.environ.get('RANK', '0')}.txt"
         with open(path, "a") as f:
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, restart {restarts()}\n{traceback.format_exc()}")
-        then = ("the supervisor will start a process in its place" if os.environ.get("FT_STORE")  # --survivors
-                else "torchrun will restart the workers")
-        fenced = fence_local_workers() if reason in PEER_HUNG and not os.environ.get("FT_STORE") else []
+        then = "the supervisor will start a process in its place" if supervised else "torchrun will restart the workers"
+        fenced = fence_local_workers() if reason in PEER_HUNG and not supervised else []
         print(f"rank {rank}: peer lost ({reason}); {then} (traceback: {path})"
               + (f"; SIGKILLed this node's other workers first: pids {fenced}" if fenced else ""),
               file=sys.stderr, flush=True)
@@ -228,7 +213,7 @@ def fence_local_workers():
     node's torchrun agent (the children of this process's parent in the same torchrun run), and return
     their pids. torchrun would stop them all anyway, but with SIGTERM, then its SIGKILL 30 s later: the
     only signal that a stopped (SIGSTOP) or deadlocked process obeys. A SIGKILL at any moment is what the
-    checkpoints and the memory tier are made to survive. (--survivors: its supervisor fences.)"""
+    checkpoints are made to survive. (A supervised process's supervisor fences.)"""
     me, agent, run_id = os.getpid(), os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID")
     killed = []
     if run_id is None:  # not under torchrun: no agent, no siblings

@@ -13,11 +13,7 @@ optimizer, step, config and every rank's RNG state into one file, atomically; ev
 from the newest file that loads. Data and learning rate are functions of the step, so a crashed and
 restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
 stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
-
-Optional tiers are modules imported only where their flags ask for them: the memory tier (tiers/snapshot.py,
-on by default: each step's state in /dev/shm, so a restart replays at most one step), token files
-(tiers/tokens.py, --data), the survivors (tiers/survivors.py, --survivors: a dead rank is replaced alone),
-the archive (tiers/archive.py, --archive: checkpoints copied to S3) and the tests' faults (tiers/faults.py).
+The optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
 """
 import contextlib
 import dataclasses
@@ -34,26 +30,27 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
-from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+from common.stop import end_if_stopped  # noqa: E402  (common.stop imports no torch)
 end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (BaseCheckpointer, PendingSave, atomic_save, atomic_write_json, checkpoints, cpu_copy,
-                               hold_run_dir, keeping_settings, load_newest, newest_resume_problem, ownership_problems,
-                               param_digest, refuse_unfit, restore_rng, rng_state, run_dir_problems, seed_rng,
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, cpu_copy, keeping_settings, load_newest,
+                               newest_resume_problem, param_digest, refuse_unfit, restore_rng, rng_state, seed_rng,
                                step_name)
-from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, faults_for,
+from common.checkpointer import BaseCheckpointer, PendingSave
+from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
-from common.data import StepData, data_problems, eval_batches
-from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, node_ranks,
-                         peer_loss_in_one_line, print0, restarts, start, teardown)
+from common.data import StepData, eval_batches
+from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0,
+                         restarts, setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (CommTimer, Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak,
                             state_bytes, training_summary)
+from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
 
 
 # ----------------------------------------------------------------------------- config
@@ -108,11 +105,13 @@ class Config:
     light_keep: int = 2  # --light-every: the light checkpoints kept
 
 
+# The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
+FAULTS = ("crash_at_step", "crash_in_save", "crash_in_snapshot", "freeze_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "crash_in_snapshot": POSITIVE, "freeze_at_step": POSITIVE,
-          "spares": NON_NEGATIVE}
+          "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE, "crash_rank": ANY_INT,
+          **dict.fromkeys(FAULTS, POSITIVE)}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -122,16 +121,19 @@ def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES)
                 + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
-                + ownership_problems(cfg.run_dir)
-                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
-                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
-                   else []))
+                + ownership_problems(cfg.run_dir))
+    if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
+        from tiers.tokens import data_problems
+        problems += data_problems(cfg)
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
         from tiers.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg, lambda p: read_checkpoint(p, mmap=True), FORMAT,
                                    SHAPE_FIELDS, SAMPLE_FIELDS)  # the newest readable checkpoint must fit
     problems += [resume] if resume else []
+    if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
+        from tiers.archive import tier_problems
+        problems += tier_problems(cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     if not problems and cfg.snapshot_every:  # room for the memory tier's slots (tiers/snapshot.py)
         from tiers.snapshot import tier_problems
         problems += tier_problems(cfg, num_params_of(cfg), sharded=False)  # one copy per node
@@ -174,17 +176,17 @@ def wrap(model, device):
 # The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it); a load refuses any other.
 FORMAT = 2
 
-
 # A checkpoint file as Checkpointer.write wrote it, its tensors on the CPU (load_state_dict moves them).
 read_checkpoint = functools.partial(torch.load, map_location="cpu", weights_only=True)
 
 
 class Checkpointer(BaseCheckpointer):
     """What a checkpoint of this script holds (write), its commit, and the resume; when to save is
-    BaseCheckpointer's (common/checkpoint.py)."""
+    BaseCheckpointer's (common/checkpointer.py)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, faults=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults  # the tests' (tiers/faults.py), or None
         self.write_pool = None  # --async-save: the one thread that writes rank 0's checkpoints
         if self.cfg.async_save:
             self.write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -248,8 +250,8 @@ class Checkpointer(BaseCheckpointer):
         total_s = (pending.done_at or now) - pending.t0  # its callback may run after result()
         self.report(pending.step, nbytes, pending.blocking_s, pending.staging_s, total_s)
 
-    def finish(self):
-        super().finish()
+    def finish(self, done=False):
+        super().finish(done)
         if self.write_pool:
             self.write_pool.shutdown()
 
@@ -283,22 +285,55 @@ class Checkpointer(BaseCheckpointer):
         return step
 
 
+# ----------------------------------------------------------------------------- tiers
+def start(cfg):
+    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (a process of
+    the supervisor's that takes a rank; a spare waits in join() for a dead rank's place)."""
+    if cfg.survivors:
+        from tiers.survivors import join
+        return join(cfg)
+    return (None, *setup(cfg.device, cfg.timeout_s))
+
+
+def open_tiers(cfg, rank, world, model, optimizer, monitor):
+    """(the tiers the checkpointer calls beside the disk, common/checkpointer.py; the tests' faults or None),
+    each opened only if its flag asks. (The token files plug in at main's data section.)"""
+    tiers, faults = [], None
+    if any(getattr(cfg, name) is not None for name in FAULTS):
+        from tiers.faults import Faults
+        faults = Faults(cfg, rank, world)
+    if cfg.snapshot_every:  # the memory tier: each rank's RNG; the state once a node, a part copied by each rank
+        from tiers.snapshot import node_ranks, open_tier
+        tiers.append(open_tier(cfg, Path(cfg.run_dir) / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS,
+                               "records", faults))
+    if cfg.light_every:  # the model's weights alone, for a plain torch.load
+        from tiers.light import LightCheckpoints
+        tiers.append(LightCheckpoints(cfg))
+    if cfg.archive:  # each commit copied to S3; a run folder without one resumes from the archive's newest
+        from tiers.archive import ArchiveTier
+        tiers.append(ArchiveTier(cfg, rank, monitor))
+    return tiers, faults
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team; a spare waits here for a rank
+    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team, else None
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"ddp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = faults_for(cfg, rank, world)  # the tests' faults (tiers/faults.py), only when one is asked for
 
         # --------------------------------------------------------------------- data
-        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+        source = val_source = None  # the synthetic task
+        if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
+            from tiers.tokens import sources
+            source, val_source = sources(cfg)
+        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
         print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        val_batches = eval_batches(cfg, rank, world)  # --eval-every: the same batches at every evaluation
+        val_batches = eval_batches(cfg, rank, world, val_source)  # --eval-every: the same batches every time
 
         # --------------------------------------------------------------------- model and optimizer
         baseline = reset_peak(device)
@@ -315,23 +350,18 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        # The memory tier (tiers/snapshot.py): each rank's RNG; the state once a node, a part copied by each rank.
-        def memory_tier():  # opened at the start, and again over a re-formed group (--survivors)
-            from tiers.snapshot import open_tier
-            return open_tier(cfg, run_dir / "ckpt", model, optimizer, node_ranks(), SAMPLE_FIELDS, "records")
-
-        snapshots = memory_tier() if cfg.snapshot_every else None
         guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
         step_times = []
-        checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times,
-                                    snapshots, faults)
+        tiers, faults = open_tiers(cfg, rank, world, model, optimizer, monitor)  # the memory tier, the archive, ...
+        checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers,
+                                    faults=faults)
         resumed_from = checkpointer.resume(LAUNCHED_AT)  # from memory, else from disk, else a fresh start
         step = resumed_from or 0
         ddp_model, comm = wrap(model, device)
 
         # --------------------------------------------------------------------- training loop
         while step < cfg.steps:
-            try:
+            with team or contextlib.nullcontext():  # --survivors: a peer lost in this step ends it here
                 t0 = time.perf_counter()
                 # ----------------------------------------------------------------- TRAINING SECTION BEGIN
                 optimizer.zero_grad(set_to_none=True)
@@ -362,17 +392,12 @@ def main(cfg):
                 if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
                     monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
                 checkpointer.save(step, stop=stop)
-            except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
-                if not (team and team.lost_peer(error)):
-                    raise
-                step, checkpointer = team.recover(checkpointer, device, step, memory_tier=memory_tier)
+            if team and team.lost:  # re-formed with the newcomer, from the newest step every rank holds
+                step, checkpointer = team.recover(checkpointer, device, step)
                 ddp_model, comm = wrap(model, device)  # a reducer of the new group, its buckets as at the start
 
         # --------------------------------------------------------------------- teardown
-        checkpointer.finish()
-        snapshots = checkpointer.snapshots  # (--survivors: reopened at each recovery)
-        if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
-            snapshots.remove()
+        checkpointer.finish(done=True)  # the last save commits; the tiers close (the memory tier's files go)
         if rank == 0 and cfg.export:
             atomic_save(model.state_dict(), cfg.export)
             print(f"exported the model state dict to {cfg.export}", flush=True)
@@ -384,8 +409,8 @@ def main(cfg):
                 device, step_times, tokens_per_step, flops_per_step, strategy="ddp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(model.state_dict()),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model), async_save=cfg.async_save,
-                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived,
-                snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
+                state_bytes_per_rank=state_bytes(model, optimizer), generation=team.gen if team else None,
+                **checkpointer.summary())
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()
@@ -395,6 +420,6 @@ def main(cfg):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, check, presets=PRESETS)
-    with peer_loss_in_one_line(cfg.run_dir):  # a crashed peer: one line here, the traceback in a file
+    with peer_loss_in_one_line(cfg.run_dir, supervised=cfg.survivors):  # one line here, the traceback in a file
         main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

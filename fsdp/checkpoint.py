@@ -3,7 +3,7 @@ shards of "model" and "optimizer" (DCP, by name, as get_state_dict gives them), 
 step, world_size, config, every rank's RNG), then DCP's `.metadata`, the commit.
 
 Checkpointer says what a checkpoint holds (write), waits for its commit (commit) and loads one
-(load); when to save, and the ladder of a resume, are common.checkpoint.BaseCheckpointer's. Below
+(load); when to save, and the ladder of a resume, are common.checkpointer.BaseCheckpointer's. Below
 it: the writer that commits a folder, the record of a save in flight (synchronous or while training
 goes on) and its waits, the staging options, the reader that unpickles only what DCP writes, and the
 load that every rank agrees on, with its fallback.
@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.torch_version import TorchVersion
 
-from common.checkpoint import (COMMIT_MARKER, BaseCheckpointer, atomic_save, checkpoints, fsync_dir, keeping_settings,
-                               move_aside, refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
+from common.checkpoint import (COMMIT_MARKER, atomic_save, checkpoints, fsync_dir, keeping_settings, move_aside,
+                               refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
+from common.checkpointer import BaseCheckpointer
 from common.config import fail
 from common.dist import PEER_LOST, agree, print0
 from common.model import SHAPE_FIELDS
@@ -69,7 +70,7 @@ def describe_staging(cuda):
 
 class Checkpointer(BaseCheckpointer):
     """What a checkpoint of fsdp/train.py holds (write), its commit, and the resume; when to save is
-    BaseCheckpointer's (common/checkpoint.py).
+    BaseCheckpointer's (common/checkpointer.py).
 
     An async save copies this rank's shards into CPU buffers (staging), then writes them, both in
     threads: the optimizer waits for the copy only before its next step (a hook of the optimizer's),
@@ -78,8 +79,9 @@ class Checkpointer(BaseCheckpointer):
     collectives run in a thread, over a group of their own (gloo, as DCP needs a CPU backend for it),
     so that they never interleave with the training collectives."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, faults=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults  # the tests' (tiers/faults.py), or None
         threading.excepthook = keep_writer_errors  # DCP's writer threads' errors, for save_failed's one line
         cuda, self.save_group, self.stager = self.device.type == "cuda", None, None
         self.staging = staging_options(cuda)
@@ -139,8 +141,14 @@ class Checkpointer(BaseCheckpointer):
         self.report(record.step, nbytes, record.blocking_s, record.staging_s(), total_s,
                     staging_wait_s=record.staging_wait_s, commit_wait_s=record.commit_wait_s)
 
-    def finish(self):
-        super().finish()
+    def finish(self, done=False):
+        super().finish(done)
+        if self.stager:
+            self.stager.close()
+
+    def settle(self, timeout_s):
+        """(tiers/survivors.py) also: the async staging buffers go; the checkpointer over the new group has its own."""
+        super().settle(timeout_s)
         if self.stager:
             self.stager.close()
 

@@ -14,15 +14,11 @@ rank 0 adds train.pt (step, config, every rank's RNG) and DCP's `.metadata` last
 (fsdp/checkpoint.py builds and reads it). Resume takes the newest committed folder that loads on every
 rank (each is tried twice), resharded to the current world size, with the same global batch. Newer
 folders that did not load are moved aside, never deleted. A loss that is not finite stops the job
-unsaved.
-
-Optional tiers are modules imported only where their flags ask for them: the memory tier
-(tiers/snapshot.py, on by default: each rank's shards in /dev/shm every step, so a restart replays
-at most one step), token files (tiers/tokens.py, --data), the survivors (tiers/survivors.py,
---survivors: the other ranks keep running while a dead one is replaced), the object store
-(tiers/archive.py, --archive: each checkpoint copied to S3 in the background) and the tests' faults.
+unsaved. The optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
 """
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -34,7 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
-from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+from common.stop import end_if_stopped  # noqa: E402  (common.stop imports no torch)
 end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
@@ -43,17 +39,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import (atomic_save, atomic_write_json, hold_run_dir, newest_resume_problem, ownership_problems,
-                               param_digest, run_dir_problems)
-from common.config import (AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, faults_for,
+from common.checkpoint import atomic_save, atomic_write_json, newest_resume_problem, param_digest
+from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
-from common.data import StepData, data_problems, eval_batches
+from common.data import StepData, eval_batches
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
-                         start, teardown)
+                         setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
+from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
 from fsdp.checkpoint import FORMAT, SAMPLE_FIELDS, Checkpointer
 
 
@@ -114,20 +110,22 @@ class Config:
     light_keep: int = 2  # --light-every: the light checkpoints kept
 
 
+# The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
+FAULTS = ("crash_at_step", "crash_in_save", "crash_in_staging", "crash_in_snapshot", "freeze_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "save_threads": POSITIVE, "crash_in_staging": POSITIVE, "crash_in_snapshot": POSITIVE,
-          "freeze_at_step": POSITIVE, "spares": NON_NEGATIVE}
+          "save_threads": POSITIVE, "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE,
+          "crash_rank": ANY_INT, **dict.fromkeys(FAULTS, POSITIVE)}
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES)
                 + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
-                + ownership_problems(cfg.run_dir)
-                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else [])
-                + (data_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data", train=cfg.data) if cfg.val_data
-                   else []))
+                + ownership_problems(cfg.run_dir))
+    if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
+        from tiers.tokens import data_problems
+        problems += data_problems(cfg)
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
         from tiers.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
@@ -135,6 +133,9 @@ def check(cfg):
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     problems += [resume] if resume else []
+    if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
+        from tiers.archive import tier_problems
+        problems += tier_problems(cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     if not problems and cfg.snapshot_every:  # room for the memory tier's slots (tiers/snapshot.py)
         from tiers.snapshot import tier_problems
         problems += tier_problems(cfg, num_params_of(cfg), sharded=True)  # each rank's shards
@@ -227,23 +228,65 @@ def forward_backward(model, micro_batches, device):
 # fsdp/checkpoint.py's Checkpointer: a folder ckpt/step-NNNNNNNN/ of every rank's shards of "model" and
 # "optimizer" (DCP, by name, as get_state_dict gives them) and train.pt (format, step, world_size,
 # config, every rank's RNG), committed by DCP's `.metadata`; resumed at this or another world size.
+def build(cfg, rank, world, device, bf16, fused, monitor, guard, step_times):
+    """The sharded model, its optimizer, the tiers and the checkpointer over the current process group:
+    at the start, and again over a re-formed group (--survivors: shards belong to their group)."""
+    # The mesh over the world group, for its timeout (init_device_mesh's group has gloo's 30 minutes).
+    model = build_model(cfg, DeviceMesh.from_group(dist.group.WORLD, device.type), device, bf16, monitor)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    tiers, faults = open_tiers(cfg, rank, world, model, optimizer, monitor)
+    return Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers, faults=faults)
+
+
+# ----------------------------------------------------------------------------- tiers
+def start(cfg):
+    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (a process of
+    the supervisor's that takes a rank; a spare waits in join() for a dead rank's place)."""
+    if cfg.survivors:
+        from tiers.survivors import join
+        return join(cfg)
+    return (None, *setup(cfg.device, cfg.timeout_s))
+
+
+def open_tiers(cfg, rank, world, model, optimizer, monitor):
+    """(the tiers the checkpointer calls beside the disk, common/checkpointer.py; the tests' faults or None),
+    each opened only if its flag asks. (The token files plug in at main's data section.)"""
+    tiers, faults = [], None
+    if any(getattr(cfg, name) is not None for name in FAULTS):
+        from tiers.faults import Faults
+        faults = Faults(cfg, rank, world)
+    if cfg.snapshot_every:  # the memory tier: a rank's shards and RNG, also kept on the next node
+        from tiers.snapshot import open_tier
+        tiers.append(open_tier(cfg, Path(cfg.run_dir) / "ckpt", model, optimizer, range(rank, rank + 1),
+                               SAMPLE_FIELDS, "shards", faults))
+    if cfg.light_every:  # the model's weights alone, for a plain torch.load
+        from tiers.light import LightCheckpoints
+        tiers.append(LightCheckpoints(cfg))
+    if cfg.archive:  # each commit copied to S3; a run folder without one resumes from the archive's newest
+        from tiers.archive import ArchiveTier
+        tiers.append(ArchiveTier(cfg, rank, monitor))
+    return tiers, faults
 
 
 def main(cfg):
     # ------------------------------------------------------------------------- setup
-    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team; a spare waits here for a rank
+    team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team, else None
     try:
         run_dir = Path(cfg.run_dir)
         hold_run_dir(run_dir, rank)  # rank 0 holds its lock until the process exits
         print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
         print0(f"fsdp: world size {world}, device {device}, restart {restarts()}")
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
-        faults = faults_for(cfg, rank, world)  # the tests' faults (tiers/faults.py), only when one is asked for
+
         # --------------------------------------------------------------------- data
-        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+        source = val_source = None  # the synthetic task
+        if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
+            from tiers.tokens import sources
+            source, val_source = sources(cfg)
+        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
         print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        val_batches = eval_batches(cfg, rank, world)  # --eval-every: the same batches at every evaluation
+        val_batches = eval_batches(cfg, rank, world, val_source)  # --eval-every: the same batches every time
 
         # --------------------------------------------------------------------- model and optimizer
         bf16 = cfg.bf16 and device.type == "cuda"
@@ -254,19 +297,9 @@ def main(cfg):
         # whose weights the DDP and FSDP digests are compared on.
         fused = True if device.type == "cuda" and not cfg.cpu_offload else None
 
-        def build():  # at the start, and over a re-formed group (--survivors): shards belong to their group
-            # The mesh over the world group, for its timeout (init_device_mesh's group has gloo's 30 minutes).
-            model = build_model(cfg, DeviceMesh.from_group(dist.group.WORLD, device.type), device, bf16, monitor)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-            snapshots = None  # the memory tier (tiers/snapshot.py): a rank's shards and RNG, also on the next node
-            if cfg.snapshot_every:
-                from tiers.snapshot import open_tier
-                snapshots = open_tier(cfg, run_dir / "ckpt", model, optimizer, range(rank, rank + 1), SAMPLE_FIELDS,
-                                      "shards")
-            return Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, snapshots,
-                                faults)
-        checkpointer = build()
-        model, optimizer = checkpointer.model, checkpointer.optimizer
+        rebuild = functools.partial(build, cfg, rank, world, device, bf16, fused, monitor, guard, step_times)
+        checkpointer = rebuild()  # (--survivors: again over each re-formed group)
+        model, optimizer, faults = checkpointer.model, checkpointer.optimizer, checkpointer.faults
         flops_per_step = 6 * num_params(model) * tokens_per_step / world  # model FLOPs of one rank, for MFU
         print0(f"model: {num_params(model):,} parameters, {'bf16' if bf16 else 'fp32'} compute, sharded over {world}"
                f" ranks{', blocks compiled' if cfg.compile else ''}{', fused AdamW' if fused else ''}")
@@ -277,7 +310,7 @@ def main(cfg):
 
         # --------------------------------------------------------------------- training loop
         while step < cfg.steps:
-            try:
+            with team or contextlib.nullcontext():  # --survivors: a peer lost in this step ends it here
                 t0 = time.perf_counter()
                 # ----------------------------------------------------------------- TRAINING SECTION BEGIN
                 optimizer.zero_grad(set_to_none=True)
@@ -308,17 +341,12 @@ def main(cfg):
                 if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
                     monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))
                 checkpointer.save(step, stop=stop)
-            except RuntimeError as error:  # --survivors: a peer died or froze; this process lives on
-                if not (team and team.lost_peer(error)):
-                    raise
-                step, checkpointer = team.recover(checkpointer, device, step, rebuild=build)  # the newest all hold
+            if team and team.lost:  # re-formed with the newcomer, from the newest step every rank holds
+                step, checkpointer = team.recover(checkpointer, device, step, rebuild=rebuild)
                 model, optimizer = checkpointer.model, checkpointer.optimizer
 
         # --------------------------------------------------------------------- teardown
-        checkpointer.finish()
-        snapshots = checkpointer.snapshots
-        if snapshots:  # the last step is on disk: the memory tier has nothing more to offer
-            snapshots.remove()
+        checkpointer.finish(done=True)  # the last save commits; the tiers close (the memory tier's files go)
         # The full, unsharded weights, gathered to rank 0: the digest is comparable with DDP's.
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0 and cfg.export:
@@ -332,8 +360,8 @@ def main(cfg):
                 device, step_times, tokens_per_step, flops_per_step, strategy="fsdp", world_size=world, steps=step,
                 final_loss=mean_loss if step_times else None, param_digest=param_digest(full_state),
                 resumed_from_step=resumed_from, restarts=restarts(), params=num_params(model), async_save=cfg.async_save,
-                state_bytes_per_rank=state_bytes(model, optimizer), archived=checkpointer.archived,
-                snapshot_bytes=snapshots.nbytes if snapshots else None, generation=team.gen if team else None)
+                state_bytes_per_rank=state_bytes(model, optimizer), generation=team.gen if team else None,
+                **checkpointer.summary())
             atomic_write_json(summary, run_dir / "summary.json")
             print0(f"done: step {step}, final loss {summary['final_loss']}, param_digest {summary['param_digest']}")
         monitor.close()
@@ -343,6 +371,6 @@ def main(cfg):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, check, presets=PRESETS)
-    with peer_loss_in_one_line(cfg.run_dir):  # a crashed peer: one line here, the traceback in a file
+    with peer_loss_in_one_line(cfg.run_dir, supervised=cfg.survivors):  # one line here, the traceback in a file
         main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

@@ -14,7 +14,7 @@ group can then read the failed attempt's addresses and fail to connect or hang (
 of their own, so every launch here sets it.
 
 A deliberate stop (a refused setting, a full disk, a diverged loss) ends a worker under torchrun with
-status 0, the one torchrun does not retry, its real code left in $FT_STOP_FILE (common.config.stop):
+status 0, the one torchrun does not retry, its real code left in $FT_STOP_FILE (common.stop.stop):
 every launch here names a private file for it, and main() and finish() report that code.
 """
 import atexit
@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.config import STOP_FILE  # noqa: E402  (common.config imports no torch)
+from common.stop import STOP_FILE  # noqa: E402  (common.stop imports no torch)
 
 # The jobs that the chaos soak faults and the comparison measures, by name: (script, extra flags).
 # The comparison names its columns by the command instead (column()): "ddp --async-save".
@@ -240,13 +240,30 @@ def load_script(path):
     return module
 
 
+def run_dir_in_use(run_dir, job=None):
+    """Why a new job must not start in `run_dir` (a running job holds its lock), or None. Checked once,
+    before the workers start (harness/launch.py): a worker would see its own rank 0's lock. `job`: the
+    rendezvous id of a node joining a job of several nodes, which passes if it is the holder's."""
+    from common.rundir import lock_run_dir
+    if not (Path(run_dir) / ".lock").exists():
+        return None
+    lock = lock_run_dir(run_dir)
+    if lock is not None:
+        lock.close()
+        return None
+    holder = (Path(run_dir) / ".lock").read_text().strip() or "another process"
+    if job is not None and holder.rpartition(", job ")[2] == job:  # a node of the running job: it joins it
+        return None
+    return (f"--run-dir {run_dir} is in use by another job ({holder} holds its .lock): "
+            "wait for it to end, or use another --run-dir")
+
+
 def preflight(script, worlds, flags, local_world=None, job=None):
     """Check a job's flags once, before torchrun starts workers that would each refuse them: exit 2 with
     one line if the script's check(cfg) finds a problem at one of the world sizes `worlds` (an elastic
     job runs at any of them; `local_world` ranks on this node), or if a running job holds the run
     folder, unless it is the job of several nodes whose rendezvous id is `job` (this node joins it).
     Returns the parsed config."""
-    from common.checkpoint import run_dir_in_use
     from common.config import fail, parse_config
 
     outside = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}

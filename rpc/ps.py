@@ -48,24 +48,23 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` from anywhere in the repo
 LAUNCHED_AT = time.time()  # this process's start, before torch is imported: where a restart's time splits
-from common.config import end_if_stopped  # noqa: E402  (common.config imports no torch)
+from common.stop import end_if_stopped  # noqa: E402  (common.stop imports no torch)
 end_if_stopped()  # a torchrun restart after a stop of this launch ends here, before importing torch
 
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, close_archive, fetch_archived, hold_run_dir,
-                               keeping_settings, load_newest, newest_resume_problem, ownership_problems, param_digest,
-                               prune_and_archive, refuse_unfit, rng_state, run_dir_problems, seed_rng, set_rng_state,
-                               step_name)
-from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
-                           flag_problems, parse_config)
-from common.data import StepData, data_problems
+from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, keeping_settings, load_newest,
+                               newest_resume_problem, param_digest, prune, refuse_unfit, rng_state, seed_rng,
+                               set_rng_state, step_name)
+from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
+                           parse_config)
+from common.data import StepData
 from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_rendezvous, pick_device,
                          print0, refuse_unsafe_restarts, restarts)
-from tiers.faults import Faults
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
+from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
 from rpc.server import ParameterServer, Reply, kill_stuck_trainers, set_server
 
 
@@ -111,10 +110,12 @@ class Config:
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
 
 
+# The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
+FAULTS = ("crash_at_step", "crash_in_save", "drop_trainer_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE,
           "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE,
-          "drop_trainer_at_step": POSITIVE}
+          "crash_rank": ANY_INT, **dict.fromkeys(FAULTS, POSITIVE)}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -125,8 +126,10 @@ def check(cfg):
     if world < 2:
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
     problems = (model_problems(cfg) + flag_problems(cfg, world - 1, RANGES) + device_problems(cfg.device)  # trainers split the batch
-                + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir)
-                + (data_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []))
+                + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir))
+    if cfg.data:  # a token file (tiers/tokens.py)
+        from tiers.tokens import data_problems
+        problems += data_problems(cfg)
     if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
         problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
                         f"pick a rank in 1..{world - 1}")
@@ -145,7 +148,11 @@ def check(cfg):
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-    return problems + [resume] if resume else problems
+    problems += [resume] if resume else []
+    if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
+        from tiers.archive import tier_problems
+        problems += tier_problems(cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
+    return problems
 
 
 # ----------------------------------------------------------------------------- checkpoint (server)
@@ -160,9 +167,10 @@ def state_digest(model, optimizer):
     return param_digest({**model.state_dict(), **optim})
 
 
-def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
-    """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones.
-    `before_commit`: a hook run once the bytes are written, before the commit (the tests' faults)."""
+def save_checkpoint(server, ckpt_dir, world, step, archive=None, before_commit=None):
+    """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones (with
+    --archive, `archive`: not those it holds), then hand it to `archive`. `before_commit`: a hook run once
+    the bytes are written, before the commit (the tests' faults)."""
     t0 = time.perf_counter()
     model, optimizer, cfg = server.model, server.optimizer, server.cfg
     digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
@@ -174,19 +182,22 @@ def save_checkpoint(server, ckpt_dir, world, step, before_commit=None):
         }, ckpt_dir / step_name(step, ".pt"), before_commit=before_commit)
     except OSError as e:  # a full disk: the previous checkpoints stay as they are
         fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept", code=3)
-    prune_and_archive(cfg, ckpt_dir, step, server.monitor)  # keep-K; --archive: to the uploader
+    prune(ckpt_dir, cfg.keep, step, held=archive.pinned() if archive else ())
+    if archive:
+        archive.committed(step, ckpt_dir / step_name(step, ".pt"))
     save_s = time.perf_counter() - t0
     server.monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
     print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
 
 
-def after_update(ckpt_dir, world, faults, server, step):
-    """The ParameterServer's after_update(server, step) (serve() binds the first three with
+def after_update(ckpt_dir, world, faults, archive, server, step):
+    """The ParameterServer's after_update(server, step) (serve() binds the first four with
     functools.partial). It runs under the server's lock, between the optimizer step and the replies: no
     update is half-done."""
-    faults.after_step(step)
+    if faults:
+        faults.after_step(step)
     if step % server.cfg.save_every == 0 or step == server.cfg.steps:
-        save_checkpoint(server, ckpt_dir, world, step, before_commit=faults.in_save(step))
+        save_checkpoint(server, ckpt_dir, world, step, archive, faults.in_save(step) if faults else None)
 
 
 @dataclass
@@ -233,13 +244,17 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     Returns the trainers not heard from at the end (lost, or silent since the last update)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ckpt_dir = run_dir / "ckpt"
+    archive = None
+    if cfg.archive:  # each commit copied to S3; a run folder without one gets the archive's newest first
+        from tiers.archive import ArchiveTier
+        archive = ArchiveTier(cfg, 0, monitor)
+        archive.before_load(None)
     # Resumed before init_rpc: the trainers' init_rpc returns only once the server is ready to answer.
-    fetch_archived(cfg, ckpt_dir, monitor)  # --archive: a run folder without checkpoints gets the archive's newest
     resumed = resume(ckpt_dir, model, optimizer, cfg, world, monitor)
     monitor.event("start", launched_at=LAUNCHED_AT, resumed_from_step=resumed.resumed_from, restarts=restarts(),
                   world_size=world)
     server = ParameterServer(model, optimizer, cfg, monitor, world - 1, resumed.step, resumed.lost,
-                             functools.partial(after_update, ckpt_dir, world, faults),
+                             functools.partial(after_update, ckpt_dir, world, faults, archive),
                              trainer_steps=resumed.trainer_steps)
     set_server(server)  # the object the trainers' RPCs reach: set before init_rpc lets any arrive
     torch_rpc.init_rpc("server", rank=0, world_size=world, rpc_backend_options=options)
@@ -248,7 +263,9 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
     except BaseException:
         torch_rpc.shutdown(graceful=False)  # fail fast; torchrun restarts the group
         raise
-    step_times, archived = server.step_times, close_archive(cfg, ckpt_dir, monitor)  # --archive: its last upload
+    step_times = server.step_times
+    if archive:  # waits for its last upload
+        archive.finish()
     summary = {
         "strategy": "rpc", "world_size": world, "steps": server.version, "final_loss": server.loss,
         "param_digest": param_digest(model.state_dict()), "resumed_from_step": resumed.resumed_from,
@@ -258,7 +275,8 @@ def serve(cfg, model, monitor, faults, world, options, run_dir, tokens_per_step)
         "trainers_lost": len(server.lost), "lost_trainers": sorted(server.lost),
         "skipped_rows": server.skipped_rows(), "mode": cfg.mode, "max_staleness": cfg.max_staleness,
         "stale_dropped": server.stale_dropped,  # in this attempt, as the mean staleness of what it applied
-        "mean_staleness": statistics.mean(server.staleness) if server.staleness else None, "archived": archived}
+        "mean_staleness": statistics.mean(server.staleness) if server.staleness else None,
+        "archived": archive.archived if archive else None}
     if not step_times and (run_dir / "summary.json").exists():  # a finished run launched again
         print0(f"the run was finished at step {server.version}: nothing to train (a larger --steps trains on), "
                "its summary.json is kept")
@@ -317,7 +335,7 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         inputs, targets = (t.to(device) for t in data.batch(batch, rank - 1, trainers))
         model.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
-        loss = faults.poison_loss(loss, batch)
+        loss = faults.poison_loss(loss, batch) if faults else loss
         loss.backward()
         grads = [p.grad.cpu() for p in model.parameters()]
         if rank == cfg.slow_trainer:  # a slower machine: the same step takes --slow-factor times as long
@@ -332,8 +350,9 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         monitor.event("step", step=reply.step, trainer_step=trainer_step, loss=loss.item(), step_s=t2 - t0,
                       compute_s=t1 - t0, wait_s=t2 - t1, tokens_per_s=tokens_per_step / trainers / (t2 - t0),
                       **memory(device), mfu=mfu(flops_per_step, t2 - t0, device))
-        faults.after_step(reply.step, previous=step)  # this push took the server from step (async may skip)
-        if faults.leaves(reply.step, previous=step):
+        if faults:  # this push took the server from step (async may skip)
+            faults.after_step(reply.step, previous=step)
+        if faults and faults.leaves(reply.step, previous=step):
             print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
             break
     if reply.stop is not None:
@@ -363,10 +382,17 @@ def main(cfg):
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
-    faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")  # for the tests (tiers/faults.py)
+    faults = None  # the tests' faults, made only when a fault flag asks for one
+    if any(getattr(cfg, name) is not None for name in FAULTS):
+        from tiers.faults import Faults
+        faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")
 
     # ------------------------------------------------------------------------- data
-    data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, cfg.data or None)
+    source = None  # the synthetic task
+    if cfg.data:  # a token file (tiers/tokens.py)
+        from tiers.tokens import sources
+        source = sources(cfg)[0]
+    data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     # ------------------------------------------------------------------------- model

@@ -27,7 +27,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from common.config import fail, leave_stop_code
+from common.config import fail
+from common.stop import leave_stop_code
 from common.monitor import state_bytes
 
 SERVER = None  # the ParameterServer that the trainers' RPCs reach, in the server process: see set_server

@@ -28,7 +28,7 @@ DROPOUT = ["--dropout", "0.1"]
 def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None):
     """Run `script` under torchrun (harness/launch.py: a free rendezvous port of its own, the restart-safe
     environment); returns the CompletedProcess, whose returncode is a deliberate stop's code if a worker
-    left one (torchrun itself exits 0 then: common.config.stop).
+    left one (torchrun itself exits 0 then: common.stop.stop).
 
     With check=True the job must exit 0 after exactly `restarts` torchrun restarts (as its summary.json
     counts them), and with restarts=0 print no Traceback: torchrun's restarts would otherwise hide a

@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import (atomic_save, atomic_write, checkpoints, load_newest, lock_run_dir, param_digest, prune,
-                               resume_problem, rng_state, run_dir_in_use, set_rng_state, step_name)
+from common.checkpoint import (atomic_save, atomic_write, checkpoints, load_newest, param_digest, prune, resume_problem,
+                               rng_state, set_rng_state, step_name)
+from common.rundir import lock_run_dir
+from harness.launch import run_dir_in_use
 from common import model, monitor
 from common.config import parse_config
 from common.data import StepData
+from tiers.tokens import open_source
 from common.model import ModelConfig, Transformer
 from conftest import REPO, refused
 from harness.launch import load_script
@@ -212,7 +215,8 @@ def test_data_is_a_function_of_step_and_same_across_world_sizes(real_text, tmp_p
     if real_text:
         path = tmp_path / "text.txt"
         path.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    data = StepData(seed=3, global_batch=12, seq_len=16, vocab=256 if path else 64, path=path)
+    vocab = 256 if path else 64
+    data = StepData(seed=3, global_batch=12, seq_len=16, vocab=vocab, source=path and open_source(path, vocab, 16))
     for step in (0, 7):
         whole = torch.cat([data.batch(step, 0, 1)[0]])
         for world in (2, 3, 4):
@@ -221,7 +225,7 @@ def test_data_is_a_function_of_step_and_same_across_world_sizes(real_text, tmp_p
     x, y = data.batch(5, 0, 1)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
     assert not torch.equal(data.batch(5, 0, 1)[0], data.batch(6, 0, 1)[0])
-    again = StepData(seed=3, global_batch=12, seq_len=16, vocab=256 if path else 64, path=path)
+    again = StepData(seed=3, global_batch=12, seq_len=16, vocab=vocab, source=path and open_source(path, vocab, 16))
     assert torch.equal(again.batch(5, 1, 2)[0], data.batch(5, 1, 2)[0])
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of common/data.py: token files (llm.c's and nanoGPT's) round trip, memory-mapped; the
+"""Unit tests of common/data.py and tiers/tokens.py: token files (llm.c's and nanoGPT's) round trip, memory-mapped; the
 synthetic task and the byte path draw the rows they drew before token files existed; each bad file
 gets one line, and a validation file that does not match the training data's is refused."""
 import json
@@ -7,10 +7,20 @@ import numpy as np
 import pytest
 import torch
 
-from common.data import StepData, data_problems
-from tiers.tokens import GPT2_MAGIC, LLAMA3_MAGIC, write_tokens
+from common.data import StepData
+from tiers.tokens import GPT2_MAGIC, LLAMA3_MAGIC, file_problems, open_source, pair_problems, write_tokens
 
 FOX = "the quick brown fox jumps over the lazy dog. " * 40
+
+
+def step_data(seed, global_batch, seq_len, vocab, path=None, flag="--data"):
+    """StepData over the token file at `path` as a script opens it (tiers/tokens.py), or the synthetic task."""
+    return StepData(seed, global_batch, seq_len, vocab, open_source(path, vocab, seq_len, flag) if path else None)
+
+
+def data_problems(path, vocab, seq_len, flag="--data", train=None):
+    """The problems of `path` as a script's check finds them, beside the --data file `train` for --val-data."""
+    return file_problems(path, vocab, seq_len, flag) or (pair_problems(train, path) if train else [])
 
 
 def llmc_file(path, ids, magic=GPT2_MAGIC, version=1, count=None, dtype="<u2"):
@@ -34,7 +44,7 @@ def test_synthetic_task_and_text_bytes_draw_the_same_rows_as_before(text, step, 
     if text:
         path = tmp_path / "fox.txt"
         path.write_text(FOX)
-    data = StepData(seed=3, global_batch=2, seq_len=8, vocab=256 if text else 64, path=path)
+    data = step_data(seed=3, global_batch=2, seq_len=8, vocab=256 if text else 64, path=path)
     got = data.global_rows(step)
     assert got.dtype == torch.int64 and got.tolist() == rows
     assert data.format.startswith("bytes of a text file" if text else "synthetic")
@@ -65,7 +75,7 @@ def test_token_file_rows_are_windows_of_the_ids_written(name, write, ceiling, de
     ids = np.random.default_rng(0).permutation(ceiling)[:5000]  # distinct ids: the first one says where a row starts
     write(tmp_path / name, ids)
     assert data_problems(tmp_path / name, ceiling, 16) == []
-    data = StepData(seed=3, global_batch=6, seq_len=16, vocab=ceiling, path=tmp_path / name)
+    data = step_data(seed=3, global_batch=6, seq_len=16, vocab=ceiling, path=tmp_path / name)
     assert data.format.startswith(detected)
     for row in data.global_rows(4).tolist():
         start = int(np.flatnonzero(ids == row[0])[0])
@@ -77,7 +87,7 @@ def test_both_uint16_formats_draw_the_same_rows(tmp_path):
     ids = np.arange(3000) % 1000
     write_tokens(tmp_path / "a.bin", ids)
     write_tokens(tmp_path / "b.bin", ids, header=False)
-    a, b = (StepData(seed=1, global_batch=4, seq_len=8, vocab=1000, path=tmp_path / n) for n in ("a.bin", "b.bin"))
+    a, b = (step_data(seed=1, global_batch=4, seq_len=8, vocab=1000, path=tmp_path / n) for n in ("a.bin", "b.bin"))
     assert torch.equal(a.global_rows(9), b.global_rows(9))
 
 
@@ -87,7 +97,7 @@ def test_a_file_is_memory_mapped_not_held_as_a_tensor(name, tmp_path):
         (tmp_path / name).write_text(FOX)
     else:
         write_tokens(tmp_path / name, np.arange(4000))
-    data = StepData(seed=0, global_batch=4, seq_len=8, vocab=4000, path=tmp_path / name)
+    data = step_data(seed=0, global_batch=4, seq_len=8, vocab=4000, path=tmp_path / name)
     assert isinstance(data.tokens, np.memmap)
     assert not any(isinstance(value, torch.Tensor) for value in vars(data).values())
 
@@ -165,10 +175,10 @@ def test_a_bad_file_gets_one_line_naming_it(make, name, vocab, message, tmp_path
     assert problems[0].startswith(f"--data {path}") and message in problems[0] and "\n" not in problems[0]
     assert data_problems(path, vocab, 16, flag="--val-data")[0].startswith(f"--val-data {path}")
     with pytest.raises(ValueError) as error:
-        StepData(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path)
+        step_data(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path)
     assert str(error.value) == problems[0]
     with pytest.raises(ValueError, match="^--val-data "):
-        StepData(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path, flag="--val-data")
+        step_data(seed=0, global_batch=4, seq_len=16, vocab=vocab, path=path, flag="--val-data")
 
 
 def test_plainly_text_in_any_script_is_read_as_bytes(tmp_path):
@@ -176,7 +186,7 @@ def test_plainly_text_in_any_script_is_read_as_bytes(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("x" + "naïve café, 日本語の文章。\n" * 4000, encoding="utf-8")
     assert data_problems(path, 256, 16) == []
-    assert StepData(seed=0, global_batch=2, seq_len=16, vocab=256, path=path).format.startswith("bytes of a text file")
+    assert step_data(seed=0, global_batch=2, seq_len=16, vocab=256, path=path).format.startswith("bytes of a text file")
 
 
 def test_ids_above_vocab_get_the_advice_of_their_flag(tmp_path):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from common import checkpoint
-from common.checkpoint import checkpoints, lock_run_dir, step_name
+from common.checkpoint import checkpoints, step_name
+from common.rundir import lock_run_dir
 from common.config import parse_config
 from tiers.tokens import write_tokens
 from harness import launch
@@ -307,8 +308,8 @@ def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     # A node joining a job of several nodes passes the preflight with the job's id (test_scaleout.py joins
     # one through run.sh); another job does not.
-    assert checkpoint.run_dir_in_use(tmp_path, "job42") is None
-    assert "is in use by another job" in checkpoint.run_dir_in_use(tmp_path, "job43")
+    assert launch.run_dir_in_use(tmp_path, "job42") is None
+    assert "is in use by another job" in launch.run_dir_in_use(tmp_path, "job43")
     proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL)  # refused before torchrun starts
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is in use by another job" in proc.stderr
     proc = single(tmp_path, *SMALL, code=2)  # and by the worker itself, when launched some other way

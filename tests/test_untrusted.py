@@ -1,6 +1,6 @@
 """What someone else puts in a run folder never runs: fsdp/checkpoint.py reads a checkpoint's `.metadata`
 through an unpickler that admits only DCP's classes and its non-tensor items with torch's weights-only
-unpickler, and common.checkpoint.ownership_problems finds a run folder that others could have written."""
+unpickler, and common.rundir.ownership_problems finds a run folder that others could have written."""
 import dataclasses
 import io
 import os
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.checkpoint import ownership_problems
+from common.rundir import ownership_problems
 from fsdp.checkpoint import MetadataUnpickler, Planner, Reader
 from conftest import REPO, summary, torchrun
 

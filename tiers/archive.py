@@ -82,6 +82,20 @@ def archive_problems(url):
     return [f"--archive {url}: {why}"] if (why := reach(fs, split(url)[0])) else []
 
 
+def tier_problems(cfg, fmt, shape_fields, sample_fields):
+    """The script's check of --archive: archive_problems, then, for a run folder without a checkpoint,
+    whether the archive's newest (which the resume would fetch) fits this run (common/checkpoint.py's
+    resume_problem)."""
+    from common.checkpoint import checkpoints, resume_problem
+    problems = archive_problems(cfg.archive)
+    if problems or checkpoints(Path(cfg.run_dir) / "ckpt"):
+        return problems
+    where, config = newest_archived(cfg.archive)
+    problem = where and resume_problem({"format": fmt, "config": config}, cfg, fmt, shape_fields, sample_fields,
+                                       cfg.allow_changes)[0]
+    return [f"{where}: {problem}"] if problem else []
+
+
 def reach(fs, bucket):
     """None if `bucket` answers, else why not (one line, no key in it)."""
     from botocore.exceptions import BotoCoreError, NoCredentialsError
@@ -321,6 +335,67 @@ def open_archive(url, config):
     if url not in OPEN:
         OPEN[url] = Archive(url, config)
     return OPEN[url]
+
+
+class ArchiveTier:
+    """--archive as a tier of the checkpointer (common/checkpointer.py calls its hooks; rpc/ps.py calls
+    them itself): rank 0's uploader (Archive, started at the first call) gets each commit, keep-K
+    deletes no step it holds, a run folder without a checkpoint gets the archive's newest before the
+    resume, and the end waits up to --timeout-s for the last upload. The other ranks do nothing here."""
+
+    def __init__(self, cfg, rank, monitor):
+        self.cfg, self.rank, self.monitor = cfg, rank, monitor
+        self.ckpt_dir, self.archived = Path(cfg.run_dir) / "ckpt", None
+
+    def uploader(self):
+        import dataclasses
+        return open_archive(self.cfg.archive, dataclasses.asdict(self.cfg))
+
+    def pinned(self):
+        return set(self.uploader().held)
+
+    def committed(self, step, path):
+        self.uploader().committed(step, path, self.monitor)
+
+    def before_load(self, restored):
+        """Before a resume, on rank 0: a run folder that holds no committed checkpoint gets the archive's
+        newest whole step (unless a step was restored already, from memory), where the script's load finds
+        it; the newest local commit goes to the uploader (an earlier attempt may have ended before it was
+        archived). A store that does not answer is a crash (torchrun tries again), never a fresh start
+        over the archive."""
+        from common.checkpoint import checkpoints
+        if self.rank != 0:
+            return
+        archive = self.uploader()
+        if restored is None and not checkpoints(self.ckpt_dir):
+            try:
+                step, nbytes, seconds = fetch_newest(self.cfg.archive, self.ckpt_dir)
+            except Exception as e:
+                print(f"could not read the archive {self.cfg.archive} ({type(e).__name__}: {str(e)[:120]}): not "
+                      "starting fresh over it", flush=True)
+                raise SystemExit(1)
+            if step is not None:
+                self.monitor.event("fetch", step=step, bytes=nbytes, fetch_s=seconds, source=self.cfg.archive)
+        committed = checkpoints(self.ckpt_dir)
+        if committed:
+            archive.submit(*committed[0])
+
+    def finish(self, done=False):
+        """At the end of a job (or a stop), on rank 0: wait up to --timeout-s for the uploader (a finished
+        run is whole in the store), then apply keep-K to what it held back."""
+        from common.checkpoint import checkpoints, prune
+        if self.rank != 0:
+            return
+        archive = self.uploader()
+        archive.close(self.cfg.timeout_s, self.monitor)
+        committed = checkpoints(self.ckpt_dir)
+        if committed:
+            prune(self.ckpt_dir, self.cfg.keep, committed[0][0], held=archive.held)
+        self.archived = archive.archived
+
+    def summary(self):
+        """What this attempt archived (step, bytes, seconds, attempts each)."""
+        return {"archived": self.archived}
 
 
 def die_with_parent(parent):

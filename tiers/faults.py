@@ -1,8 +1,8 @@
-"""Fault injection for the tests and the chaos soak, in one place: a tier of its own. ddp and fsdp make
-a Faults only when a fault flag is set (their `faults` block in main), and call its hooks where
-`faults` is not None; the checkpointer and the memory tier are handed the hooks that fire inside
-them. To copy a script without faults, delete this module, that block, the `if faults:` lines and
-the Config fields marked "fault injection" (rpc/ps.py uses its hooks unconditionally).
+"""Fault injection for the tests and the chaos soak, in one place: a tier of its own. Each script makes
+a Faults only when one of its FAULTS flags is set (ddp and fsdp in open_tiers, rpc in main), and calls
+its hooks where `faults` is not None; the checkpointer and the memory tier are handed the hooks that
+fire inside them. To copy a script without faults, delete this module, that block, the `if faults:`
+lines and the Config fields marked "fault injection".
 
 Every fault is tied to a step, never to a time, so it lands in training however fast the machine
 is. Crashes fire only in torchrun's first attempt, so the restarted job runs clean; a NaN loss fires

@@ -29,12 +29,17 @@ node (tiers/replica.py, imported only then), so that a node replaced with an emp
 resumes from memory.
 
 Its face: open_tier() once, with the model and the optimizer (the tier waits for its copy before each
-optimizer step, as a hook of the optimizer's); start(step) after a step; held(), what this rank can
-restore, answered locally; restore(step, everyone, group), over whatever group the caller gives it;
-remove() at the end. resume() settles which step over the world group, and restores it.
+optimizer step, as a hook of the optimizer's), handed to the checkpointer, which calls its hooks
+(common/checkpointer.py): after_step starts a snapshot, restore is a resume's first rung, settle and
+regroup a survivor's recovery, finish(done) removes the run's snapshots. Beneath them: start(step);
+held(), what this rank can restore, answered locally; restore_step(step, everyone, group), over
+whatever group the caller gives it; resume(), which settles the step over the world group and
+restores it; remove().
 """
+import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import mmap
@@ -52,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from common.checkpoint import atomic_write, resume_problem, set_rng_state
+from common.checkpoint import atomic_write, checkpoints, resume_problem, rng_state, set_rng_state
 from common.dist import agree, print0
 from common.model import SHAPE_FIELDS
 
@@ -87,14 +92,21 @@ def tier_problems(cfg, params, sharded):
     return [problem] if problem else []
 
 
-def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=None):
+def node_ranks():
+    """The ranks of this node's processes (DDP's group: they share one copy): torchrun numbers a node's
+    ranks in a row."""
+    first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
+    return range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=None, faults=None):
     """This rank's Snapshots of `model` and `optimizer`, sharing one copy of the state with the ranks
     `group`; None, said in one line, on every rank if one has no /dev/shm (the tier's collectives need
     all of them). Every rank calls it: rank 0 reads or creates the run's id and sends it to the others.
     A snapshot's config is checked as a disk checkpoint's would be (its model's shape, and
     `sample_fields` unless they may change). `replicate` keeps each record ("records": DDP, whose nodes
     hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
-    next node (tiers/replica.py), when there is one."""
+    next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
     folder = folder_of(cfg)
     problems = [None] * dist.get_world_size()  # made here (it may have been made by another since the check)
     dist.all_gather_object(problems, private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir "
@@ -114,6 +126,9 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     snapshots = Snapshots(folder, ids[0], rank, group, cfg.snapshot_every, {"world_size": world,
                           "config": dataclasses.asdict(cfg)}, model, optimizer,
                           lambda record: resume_problem(record, cfg, FORMAT, SHAPE_FIELDS, sample_fields)[0], replica)
+    snapshots.faults = faults
+    snapshots.reopen = functools.partial(open_tier, cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate,
+                                         faults)
     print0(f"memory tier: a snapshot every {cfg.snapshot_every} steps in {snapshots.folder}"
            + (f", each {'record' if replicate == 'records' else 'record and its shards'} also kept by rank "
               f"+ {local} (the next node)" if replica else ""))
@@ -321,8 +336,47 @@ class Snapshots:
         self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
         self.blocked_s = 0.0  # the loop's time blocked by the last snapshot: its start, then the wait for its copy
+        self.faults, self.reopen = None, None  # (open_tier sets them: the tests' faults, and how to open it again)
         # The optimizer must not change tensors a snapshot is still copying: it waits for the copy first.
         optimizer.register_step_pre_hook(lambda *_: self.wait())
+
+    # ------------------------------------------------------------------------- the checkpointer's hooks
+    def after_step(self, step, checkpointer):
+        self.start(step, rng_state(), self.faults.in_snapshot(step) if self.faults else None)
+
+    def in_flight(self):
+        return {"snapshot_s": self.blocked_s}
+
+    def restore(self, checkpointer):
+        """A resume's first rung: the newest snapshot, if every rank can restore it and it is newer than the
+        disk's newest checkpoint. Returns the step restored, or None."""
+        t0 = time.perf_counter()
+        committed = checkpoints(checkpointer.ckpt_dir) if checkpointer.rank == 0 else None
+        step = self.resume(committed[0][0] if committed else None, checkpointer.device)
+        if step is not None:
+            checkpointer.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(self.folder),
+                                       source="memory")
+            print0(f"resuming from step {step} (memory snapshot)")
+        return step
+
+    def settle(self):
+        """A peer was lost: the copy in flight ends (whole, or not recorded; one cut short by the lost peer,
+        a replica's exchange, is not news: the tier is opened again over the new group)."""
+        if self.copying is not None:
+            with contextlib.suppress(Exception):
+                self.copying.result()
+            self.copying = None
+        self.pool.shutdown()
+
+    def regroup(self, checkpointer):
+        return self.reopen()
+
+    def finish(self, done):
+        if done:  # the last step is on disk: the memory tier has nothing more to offer
+            self.remove()
+
+    def summary(self):
+        return {"snapshot_bytes": self.nbytes}
 
     def path(self, rank, slot, suffix):
         return self.folder / f"{self.run}-rank{rank}-slot{slot}{suffix}"
@@ -448,7 +502,7 @@ class Snapshots:
                 raise ValueError(f"bytes {lo}-{hi} of {path.name} do not match their checksum (damaged)")
         return views(buf, record["layout"]), record["layout"], rng_from_json(record["rng"])
 
-    def restore(self, step, everyone, device, group=None):
+    def restore_step(self, step, everyone, device, group=None):
         """Restore `step` into the model, the optimizer and this rank's RNG, over `group` (default: the
         world), whose ranks' Held are `everyone`, in the group's order; every member calls it. Returns
         whether every member restored it (if not, none did: the caller falls back together).
@@ -512,7 +566,7 @@ class Snapshots:
         if why:
             print0(why)
         for step in steps:
-            if self.restore(step, held, device):
+            if self.restore_step(step, held, device):
                 return step
             print0(f"memory snapshot of step {step} did not load on every rank: "
                    + ("trying the older one" if step != steps[-1] else "loading from disk"))

@@ -32,7 +32,6 @@ process can never come back), and replaces it. A node lost whole (its supervisor
 --hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares of any node: node 0's
 supervisor posts them; the lost node's own supervisor, if it was only cut off, kills its processes.
 """
-import concurrent.futures
 import contextlib
 import datetime
 import os
@@ -101,6 +100,7 @@ class Team:
         self.node, self.local_slot = divmod(self.slot, STRIDE)
         self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
         self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
+        self.lost = False  # a peer was lost in the body of `with team:`
 
     def join(self, device_choice):
         """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
@@ -190,41 +190,33 @@ class Team:
     def newest(self):
         return self.store.add("gen", 0)
 
-    def recover(self, checkpointer, device, step, rebuild=None, memory_tier=None):
-        """A survivor's way back after a peer was lost at `step`: a save in flight settles (committed whole,
-        or left uncommitted: never loaded), the group re-forms with the newcomer (reform), what belonged to
-        the old group is made again over the new one (FSDP: `rebuild()`, the sharded model, its optimizer,
-        tier and checkpointer; DDP: the memory tier, `memory_tier()`), and every
-        rank restores the newest step all of them hold (the memory tier, else the disk), as the newcomer
-        does at its start: the same collectives in the same order. Returns (the step restored, the checkpointer)."""
+    def __enter__(self):
+        self.lost = False
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """The body of `with team:` (a step of the loop) ends early when a peer is lost: team.lost, and the
+        error goes no further; any other error goes on."""
+        self.lost = error is not None and self.lost_peer(error)
+        return self.lost
+
+    def recover(self, checkpointer, device, step, rebuild=None):
+        """A survivor's way back after a peer was lost at `step`: what the checkpointer has in flight settles
+        (a save committed whole, or left uncommitted: never loaded), the group re-forms with the newcomer
+        (reform), what belonged to the old group is made again over the new one (FSDP: `rebuild()`, the
+        sharded model, its optimizer, tiers and checkpointer; DDP: the checkpointer's tiers, regroup()), and
+        every rank restores the newest step all of them hold (a tier's, the memory tier; else the disk), as
+        the newcomer does at its start: the same collectives in the same order. Returns (the step
+        restored, the checkpointer)."""
         from common.dist import set_collective_timeout
         t0, lost_at = time.perf_counter(), time.time()
-        snapshots = checkpointer.snapshots
-        if snapshots and snapshots.copying is not None:  # a copy in flight ends (whole, or not recorded); one
-            with contextlib.suppress(Exception):  # cut short by the lost peer (a replica's exchange) is not news:
-                snapshots.copying.result()  # the tier is opened again over the new group below
-            snapshots.copying = None
-        if snapshots:
-            snapshots.pool.shutdown()
-        pending, checkpointer.pending = checkpointer.pending, None
-        future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
-        if future is not None:  # its collectives fail with the group, its commit is atomic
-            done, _ = concurrent.futures.wait([future], timeout=self.timeout_s)
-            error = future.exception() if done else TimeoutError(f"still running after {self.timeout_s} s")
-            if error or self.rank == 0:
-                print(f"rank {self.rank}: the save of step {pending.step} in flight when a peer was lost: "
-                      + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
-        if rebuild and getattr(checkpointer, "stager", None):  # FSDP's async staging buffers: the new one has its own
-            checkpointer.stager.close()
+        checkpointer.settle(self.timeout_s)
         for attempt in range(1, RETRIES + 1):
             try:
                 gen = self.reform(device)
                 formed_s = time.perf_counter() - t0
-                if rebuild:
-                    checkpointer = rebuild()
-                elif snapshots:
-                    checkpointer.snapshots = memory_tier()
-                restored = checkpointer.load_from_memory() if checkpointer.snapshots else None
+                checkpointer = rebuild() if rebuild else checkpointer.regroup()
+                restored = checkpointer.restore()
                 restored = checkpointer.load() if restored is None else restored
                 break
             except RuntimeError as error:

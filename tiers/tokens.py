@@ -1,4 +1,5 @@
-"""Token files for common/data.py's StepData, read where --data names one (imported only then):
+"""Token files for common/data.py's StepData, read where --data names one (imported only then, in the
+scripts' `if cfg.data or cfg.val_data:` blocks):
 
 - llm.c's token file, recognised by its magic whatever its name: a header of 256 little-endian
   int32 (magic, version, token count, then zeros), then the tokens. Magic 20240520 version 1 holds
@@ -6,8 +7,9 @@
 - nanoGPT's flat token file: little-endian uint16 ids and nothing else, named *.bin.
 - a file that is plainly text (`text_problem`), trained on as bytes (vocab 256).
 Anything else is refused: ids in a file of no known format would be trained on as bytes.
-`write_tokens` writes the first two from any tokenizer's ids; `file_problems` checks a file before
-training starts, `pair_problems` that --val-data is in the format of --data.
+`write_tokens` writes the first two from any tokenizer's ids; `data_problems` checks --data and
+--val-data before training starts (`file_problems` each, `pair_problems` that --val-data is in the
+format of --data); `sources` opens them for StepData and the evaluation.
 """
 import codecs
 import functools
@@ -192,6 +194,33 @@ def pair_problems(train, val):
         return []
     return [f"--val-data {val} holds {val_file.kind} but --data {train} holds {train_file.kind}: give a validation "
             f"file from the training data's tokenizer, written the same way"]
+
+
+# --------------------------------------------------------------------------- the scripts' two calls
+def data_problems(cfg):
+    """The problems of --data and of --val-data (each file's, then --val-data's beside --data): lines, or []."""
+    problems = file_problems(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else []
+    if getattr(cfg, "val_data", ""):  # (rpc has no evaluation)
+        problems += (file_problems(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data")
+                     or (pair_problems(cfg.data, cfg.val_data) if cfg.data else []))
+    return problems
+
+
+def open_source(path, vocab, seq_len, flag="--data"):
+    """The TokenFile of `path` for StepData, checked again (file_problems: ValueError with its line)."""
+    problems = file_problems(path, vocab, seq_len, flag)  # `flag`: the file's, for the message
+    if problems:
+        raise ValueError(problems[0])
+    return token_file(path)
+
+
+def sources(cfg):
+    """(training, evaluation): the TokenFiles of --data and of --val-data (default: --data; opened only
+    for --eval-every), None where the synthetic task stands in."""
+    train = open_source(cfg.data, cfg.vocab, cfg.seq_len) if cfg.data else None
+    if getattr(cfg, "val_data", "") and getattr(cfg, "eval_every", 0):
+        return train, open_source(cfg.val_data, cfg.vocab, cfg.seq_len, "--val-data")
+    return train, train
 
 
 # --------------------------------------------------------------------------- writing

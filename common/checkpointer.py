@@ -1,0 +1,191 @@
+"""When a script saves, and the rungs of its resume that every script shares (BaseCheckpointer, which a
+script's Checkpointer subclasses with what its checkpoint holds), and the disk interval by Young and
+Daly's rule.
+
+A tier (tiers/: the memory tier, the light checkpoints, the archive) is an object the script opens in
+its flag's block and hands over in `tiers`; the checkpointer calls each tier at these moments, where
+the tier has the method, in the order of the list, and knows nothing else of it:
+    after_step(step, checkpointer)  every step, before a disk save is due: a memory snapshot, a light checkpoint
+    pinned()                        rank 0, keep-K: the steps not to delete yet (not yet copied elsewhere)
+    committed(step, path)           rank 0: the checkpoint of `step` has committed at `path`
+    restore(checkpointer)           a resume's first rung: the step the tier restored, or None (the next one)
+    before_load(restored)           before the disk's rung (`restored`: the step restored already, or None)
+    in_flight()                     what the step overlapped, for its metrics: a dict
+    settle()                        a peer was lost (tiers/survivors.py): end what is in flight
+    regroup(checkpointer)           the tier opened again over a re-formed process group (None: off)
+    finish(done)                    the end of the job (`done`), or a stop: what the tier holds is closed
+    summary()                       rank 0's fields of summary.json: a dict
+"""
+import concurrent.futures
+import math
+import os
+import statistics
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from common.checkpoint import checkpoints, prune
+from common.dist import PREEMPTED, print0, restarts, set_collective_timeout
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being saved (ddp and rpc: one file, written by rank 0). blocking_s is what the training
+    loop waited for it: all of a synchronous save; for an async one the CPU copy (staging_s), then the
+    wait for its write before the next save (not the wait at the end of the job: no step is left to
+    stall). `future` is the write in its thread (its result: the bytes written)."""
+    step: int
+    t0: float
+    blocking_s: float = 0.0
+    staging_s: Optional[float] = None
+    done_at: Optional[float] = None
+    future: Optional[Future] = None
+
+
+class BaseCheckpointer:
+    """When a script saves, and the rungs of its resume that every script shares: a script's
+    Checkpointer subclasses it with what its checkpoint holds, write(step, asynchronous) -> the save
+    still in flight or None, commit(pending, in_loop), and load(), the resume from disk.
+
+    The loop calls save(step, stop) after each step: the tiers' after_step, then a disk checkpoint every
+    --save-every steps (--save-every 0: an interval by Young and Daly's rule), at the last step, and
+    when the job is stopped (a preemption: then it exits 143 for a restart), one save in flight at a
+    time. finish() at the end commits the last save. `tiers` are the script's (see the module's
+    docstring), `guard` the StepGuard (common/dist.py), `step_times` the loop's list."""
+
+    def __init__(self, cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers=()):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.model, self.optimizer, self.monitor, self.guard = model, optimizer, monitor, guard
+        self.step_times, self.tiers = step_times, [tier for tier in tiers if tier is not None]
+        self.ckpt_dir = Path(cfg.run_dir) / "ckpt"
+        self.save_every = cfg.save_every or FIRST_AUTO_SAVE  # --save-every 0: a first save measures the cost
+        self.pending = None  # the save in flight (--async-save), if any
+
+    def each(self, hook, *args):
+        """The results of the tiers' `hook(*args)`, in their order, from those that have it."""
+        return [getattr(tier, hook)(*args) for tier in self.tiers if hasattr(tier, hook)]
+
+    def save(self, step, stop=False):
+        """After step `step`: the tiers' work (a memory snapshot is copied in a thread while the next step
+        computes), and a disk checkpoint when due; then, if the job was stopped before its last step,
+        exit 143."""
+        self.each("after_step", step, self)
+        if step % self.save_every == 0 or step == self.cfg.steps or stop:
+            t0 = time.perf_counter()
+            with self.guard.patient():  # the other ranks may wait while rank 0 writes or prunes
+                if self.pending:  # one save in flight at a time: the previous one commits first
+                    self.commit(self.pending)
+                self.pending = self.write(step, asynchronous=self.cfg.async_save and not stop)
+            if not self.cfg.save_every:  # the interval from what this save cost the loop
+                self.save_every = auto_save_every(time.perf_counter() - t0, self.step_times, self.cfg.mtbf_h,
+                                                  self.device)
+        if stop and step < self.cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
+            self.monitor.event("preempted", step=step, signalled_at=self.guard.signalled_at)
+            print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
+            raise SystemExit(PREEMPTED)
+
+    def prune(self, step):
+        """After the commit of `step`, on rank 0: keep-K, but never a step a tier holds; then the tiers hear
+        of the commit."""
+        prune(self.ckpt_dir, self.cfg.keep, step, held=set().union(*self.each("pinned")))
+        if any(hasattr(tier, "committed") for tier in self.tiers):
+            self.each("committed", step, next(path for s, path in checkpoints(self.ckpt_dir) if s == step))
+
+    def full_weights(self):
+        """The model's whole state_dict on rank 0 (DDP: the unwrapped model's; fsdp/checkpoint.py gathers it)."""
+        return self.model.state_dict()
+
+    def report(self, step, nbytes, blocking_s, staging_s, total_s, **more):
+        """The save of `step` has committed: its event in the metrics, its line on the console."""
+        self.monitor.event("save", step=step, blocking_s=blocking_s, staging_s=staging_s, total_s=total_s,
+                           bytes=nbytes, **more)
+        print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, blocking {blocking_s * 1000:.0f} ms,"
+               + (f" staged in {staging_s * 1000:.0f} ms," if staging_s is not None else "")
+               + f" total {total_s * 1000:.0f} ms)")
+        self.pending = None
+
+    def in_flight(self, t0):
+        """What the step that started at `t0` overlapped, for its metrics: an async save's write, and the
+        tiers' (the memory tier's wait)."""
+        saving = self.pending is not None and (self.pending.done_at or math.inf) > t0
+        return {"saving": saving, **{k: v for fields in self.each("in_flight") for k, v in fields.items()}}
+
+    def finish(self, done=False):
+        """The end of the job (`done`: the last step is saved), or a diverged loss: the save in flight, of an
+        earlier step, commits; then the tiers close."""
+        set_collective_timeout(self.cfg.timeout_s)  # the long timeout, as in a save
+        if self.pending:
+            self.commit(self.pending, in_loop=False)
+        self.each("finish", done)
+
+    def summary(self):
+        """The tiers' fields of summary.json."""
+        return {k: v for fields in self.each("summary") for k, v in fields.items()}
+
+    def resume(self, launched_at):
+        """Restore the state from the newest source that loses the least: a tier's (the memory tier: a
+        snapshot newer than the disk's newest checkpoint), else the newest checkpoint on disk (the
+        script's load()), else a fresh start. Logs the attempt's start event (`launched_at`: the
+        process's start). Returns the step resumed from, or None."""
+        step = self.restore()
+        self.each("before_load", step)  # (the archive: a run folder without checkpoints gets its newest)
+        if step is None:
+            step = self.load()
+        self.monitor.event("start", launched_at=launched_at, resumed_from_step=step,
+                           restarts=restarts(), world_size=self.world, pid=os.getpid())
+        return step
+
+    def restore(self):
+        """The step the first tier that has one restored, or None."""
+        return next((step for step in self.each("restore", self) if step is not None), None)
+
+    def settle(self, timeout_s):
+        """A peer was lost (tiers/survivors.py): the tiers' work in flight ends, and so does the save in
+        flight, waited for up to `timeout_s`: committed whole, or left uncommitted (never loaded); its
+        collectives fail with the group, its commit is atomic."""
+        self.each("settle")
+        pending, self.pending = self.pending, None
+        future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
+        if future is not None:
+            done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+            error = future.exception() if done else TimeoutError(f"still running after {timeout_s} s")
+            if error or self.rank == 0:
+                print(f"rank {self.rank}: the save of step {pending.step} in flight when a peer was lost: "
+                      + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
+
+    def regroup(self):
+        """This checkpointer over a re-formed process group (DDP: the model is whole on every rank): the
+        tiers opened again over it. Returns itself."""
+        self.tiers = [tier.regroup(self) if hasattr(tier, "regroup") else tier for tier in self.tiers]
+        self.tiers = [tier for tier in self.tiers if tier is not None]
+        return self
+
+
+def young_daly_steps(save_s, step_s, mtbf_h, device):
+    """(steps, save_s, step_s, seconds): the disk interval that loses the least expected time to saving
+    and to replaying after a failure, sqrt(2 x a save's cost x the mean time between failures) (Young
+    1974, Daly 2006), in whole steps. The ranks take the largest of their measurements: a save is
+    collective, so they must all choose the same interval."""
+    measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    save_s, step_s = measured.tolist()
+    seconds = math.sqrt(2 * save_s * mtbf_h * 3600)
+    return max(1, round(seconds / step_s)), save_s, step_s, seconds
+
+
+FIRST_AUTO_SAVE = 10  # --save-every 0: the step of the first save, whose cost sets the interval
+
+
+def auto_save_every(save_s, step_times, mtbf_h, device):
+    """--save-every 0: the disk interval (young_daly_steps) after a save that blocked the loop `save_s`,
+    with this attempt's median step time and --mtbf-h; printed after each save, with its numbers."""
+    steps, save_s, step_s, seconds = young_daly_steps(save_s, statistics.median(step_times[-50:]), mtbf_h, device)
+    if dist.get_rank() == 0:
+        print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {mtbf_h} h between "
+              f"failures) = {seconds:.3f} s, at {step_s * 1000:.3f} ms a step (Young and Daly)", flush=True)
+    return steps
