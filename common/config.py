@@ -50,7 +50,8 @@ def make_parser(cls, prog=None):
 
 
 def parse_config(cls, check=None, argv=None, prog=None, presets=None):
-    """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error.
+    """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error
+    (a module it imports that is not there is one too).
 
     `presets` maps a name to field values: `--preset NAME` replaces those fields, whatever flags say."""
     parser = make_parser(cls, prog=prog)
@@ -59,7 +60,12 @@ def parse_config(cls, check=None, argv=None, prog=None, presets=None):
         if cfg.preset not in (presets or {}):
             parser.error(f"--preset {cfg.preset}: choose from {', '.join(presets or {})}")
         cfg = dataclasses.replace(cfg, **presets[cfg.preset])
-    for problem in (check(cfg) if check else []):
+    try:
+        problems = check(cfg) if check else []
+    except ModuleNotFoundError as e:  # an optional module a flag asks for, not copied with the script
+        problems = [f"{e.name} is not here, and a flag (yours or its default) needs it: copy it with the "
+                    "script, or turn that flag off"]
+    for problem in problems:
         parser.error(problem)
     return cfg
 

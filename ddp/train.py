@@ -350,8 +350,7 @@ def main(cfg):
                f"{', fused AdamW' if fused else ''}")
 
         # --------------------------------------------------------------------- resume
-        guard = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s)  # SIGTERM and hangs: see common.dist
-        step_times = []
+        guard, step_times = StepGuard(device, cfg.timeout_s, cfg.hang_timeout_s), []  # SIGTERM, hangs: common.dist
         tiers, faults = open_tiers(cfg, rank, world, model, optimizer, monitor)  # the memory tier, the archive, ...
         checkpointer = Checkpointer(cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers,
                                     faults=faults)

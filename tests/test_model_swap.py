@@ -9,9 +9,10 @@ from conftest import DROPOUT, REPO, SMALL, metrics, summary, torchrun
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """ddp/, fsdp/ and common/ copied, common/model.py's Transformer replaced by tests/other_model.py's."""
+    """ddp/, fsdp/, common/ and tiers/ (the memory tier is on by default) copied, common/model.py's
+    Transformer replaced by tests/other_model.py's."""
     root = tmp_path_factory.mktemp("your-project")
-    for folder in ("ddp", "fsdp", "common"):
+    for folder in ("ddp", "fsdp", "common", "tiers"):
         shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
     model = root / "common" / "model.py"
     model.write_text(model.read_text() + "\n\n" + (REPO / "tests" / "other_model.py").read_text())

@@ -4,6 +4,8 @@ bitwise with the tiers' flags off: literally what a team copies for a plain job 
 in your job")."""
 import ast
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -57,7 +59,13 @@ def test_a_script_copied_with_common_alone_resumes_a_run_bitwise(script, referen
     for folder in (script.split("/")[0], "common"):
         shutil.copytree(REPO / folder, core / folder, ignore=shutil.ignore_patterns("__pycache__"))
     assert not (core / "tiers").exists()
-    # The memory tier's flag off (on by default); no --data (no token file), no fault flag.
+    # The memory tier is on by default: without its module, one line before anything starts.
+    plain = subprocess.run([sys.executable, core / script, "--run-dir", tmp_path / "other"], capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
+    assert "tiers is not here, and a flag (yours or its default) needs it" in plain.stderr
+    assert not (tmp_path / "other").exists()
+    # The memory tier's flag off; no --data (no token file), no fault flag.
     resumed = torchrun(core / script, 2, run_dir, *SMALL, *DROPOUT, "--snapshot-every", "0")  # no restart, no traceback
     assert "resuming from step 8" in resumed.stdout
     assert summary(run_dir)["param_digest"] == summary(reference)["param_digest"]
