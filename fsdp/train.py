@@ -240,8 +240,7 @@ def build(cfg, rank, world, device, bf16, fused, monitor, guard, step_times):
 
 # ----------------------------------------------------------------------------- tiers
 def start(cfg):
-    """(team, rank, world size, device): setup()'s, or with --survivors the survivors tier's (a process of
-    the supervisor's that takes a rank; a spare waits in join() for a dead rank's place)."""
+    """(team, rank, world size, device): setup()'s, or --survivors' (a spare waits in join() for a rank)."""
     if cfg.survivors:
         from tiers.survivors import join
         return join(cfg)
