@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import checkpoints, prune
-from common.dist import PREEMPTED, print0, restarts, set_collective_timeout
+from common.dist import PREEMPTED, print0, restarts, set_collective_timeout, wait
 
 
 @dataclass
@@ -172,7 +172,7 @@ def young_daly_steps(save_s, step_s, mtbf_h, device):
     1974, Daly 2006), in whole steps. The ranks take the largest of their measurements: a save is
     collective, so they must all choose the same interval."""
     measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    wait(dist.all_reduce(measured, op=dist.ReduceOp.MAX, async_op=True))
     save_s, step_s = measured.tolist()
     seconds = math.sqrt(2 * save_s * mtbf_h * 3600)
     return max(1, round(seconds / step_s)), save_s, step_s, seconds

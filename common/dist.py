@@ -3,6 +3,7 @@ flag, the loss and a stop); collective timeouts; a lost peer in one line; teardo
 import contextlib
 import datetime
 import os
+import pickle
 import signal
 import socket
 import statistics
@@ -111,11 +112,104 @@ def refuse_unsafe_restarts():
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
 
+# ----------------------------------------------------------------------------- waits another thread can end
+# gloo cannot abort a collective (its abort() is a no-op, pytorch issue 130345) and a survivor that does
+# not talk to a dead peer waits for its timeout. So the collectives these scripts wait for themselves
+# (DDP's comm hook, agree, the object gathers) are issued with async_op and waited through
+# interruptible(): interrupt(), called by another thread (the survivors' watcher, tiers/survivors.py,
+# when the job's store says a peer was lost), fails every such wait at once, and every later one until
+# resume_waits(). The work left behind ends at its own timeout, in the background.
+PEER_LOST_NOW = "a peer was lost"  # the words of an interrupted wait (common.dist.PEER_LOST knows them)
+_waits = threading.Lock()
+_pending = {}  # future -> when its wait began
+_interrupted = [None]  # the reason, while waits are interrupted
+
+
+def interruptible(future):
+    """A future that completes as `future` (a collective's) does, or fails at once when another thread
+    calls interrupt()."""
+    out = torch.futures.Future()
+    with _waits:
+        reason = _interrupted[0]
+        if reason is None:
+            _pending[out] = time.monotonic()
+    if reason is not None:
+        out.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
+        return out
+
+    def settle(done):
+        with _waits:
+            if _pending.pop(out, None) is None:  # interrupted already
+                return
+        try:
+            out.set_result(done.value())
+        except Exception as e:  # the collective's own error (a peer's closed socket, its timeout)
+            out.set_exception(e)
+    future.add_done_callback(settle)
+    return out
+
+
+def wait(work):
+    """Wait for an async collective's work (`dist.all_reduce(..., async_op=True)`), interruptibly."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # gloo's isend and irecv have no future: their completion is polled
+        while not work.is_completed():
+            if _interrupted[0] is not None:
+                raise RuntimeError(f"{PEER_LOST_NOW}: {_interrupted[0]}") from None
+            time.sleep(0.001)
+        work.wait()
+        return
+    interruptible(future).wait()
+
+
+def interrupt(reason):
+    """Fail every interruptible wait now in progress, and every later one until resume_waits()."""
+    with _waits:
+        _interrupted[0] = reason
+        pending = list(_pending)
+        _pending.clear()
+    for future in pending:
+        future.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
+
+
+def interrupted():
+    """Whether waits are interrupted now (interrupt() was called, resume_waits() not yet)."""
+    return _interrupted[0] is not None
+
+
+def resume_waits():
+    with _waits:
+        _interrupted[0] = None
+
+
+def oldest_wait_s():
+    """How long the oldest interruptible wait in progress has waited (0: none)."""
+    with _waits:
+        return time.monotonic() - min(_pending.values()) if _pending else 0.0
+
+
+def gather_objects(obj, group=None):
+    """Every rank's `obj` of `group` (default: the world), in rank order: dist.all_gather_object, its
+    waits interruptible. (Pickled: as trusted as all_gather_object's peers.)"""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    wait(dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group, async_op=True))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:len(data)] = data
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    wait(dist.all_gather(out, padded, group=group, async_op=True))
+    return [pickle.loads(o[:int(n)].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
+
+
 def agree(ok, device, group=None):
     """True only if `ok` holds on every rank of `group` (default: the world), so that all of them take
     the same branch after a local failure."""
     flag = torch.tensor(int(ok), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
     return bool(flag.item())
 
 
@@ -143,7 +237,7 @@ class StepGuard:
     def agree(self, loss):
         """(the loss averaged over the ranks, whether to save now and stop)."""
         stats = torch.stack([loss.detach().float(), torch.tensor(float(self.signalled_at is not None), device=self.device)])
-        dist.all_reduce(stats)
+        wait(dist.all_reduce(stats, async_op=True))
         return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
 
     def shorten_timeout(self, step_times):
@@ -163,10 +257,19 @@ class StepGuard:
             set_collective_timeout(self.step_timeout_s)
 
 
+_timeout_s = [300.0]  # the world's, as set_collective_timeout last set it
+
+
 def set_collective_timeout(seconds, group=None):
     """The timeout of the later collectives of `group` (default: the world), on gloo and NCCL alike."""
     setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # the name before torch 2.12
     setter(datetime.timedelta(seconds=seconds), group)
+    if group is None:
+        _timeout_s[0] = seconds
+
+
+def collective_timeout_s():
+    return _timeout_s[0]
 
 
 def exit_without_finalizing():
@@ -182,7 +285,8 @@ def exit_without_finalizing():
 # What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
 # answers by restarting the workers.
 PEER_HUNG = ("Timed out", "timed out", "timeout caused pair closure")
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused", *PEER_HUNG)
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             PEER_LOST_NOW, *PEER_HUNG)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from common.dist import interruptible, wait
+
 
 def local_bytes(t):
     """Bytes this rank holds for a tensor: the local shard of a DTensor, else the tensor."""
@@ -117,7 +119,7 @@ def eval_loss(model, batches, device, bf16=False):
     for module in model.modules():  # FSDP2: a no-grad forward leaves the root's gathered weights in place
         if isinstance(module, FSDPModule):
             module.reshard()
-    dist.all_reduce(total)
+    wait(dist.all_reduce(total, async_op=True))
     return total.item() / (len(batches) * dist.get_world_size()), time.perf_counter() - t0
 
 
@@ -169,7 +171,7 @@ class CommTimer:
     def hook(self, state, bucket):
         start = time.perf_counter()
         tensor = bucket.buffer().div_(dist.get_world_size())
-        future = dist.all_reduce(tensor, async_op=True).get_future()
+        future = interruptible(dist.all_reduce(tensor, async_op=True).get_future())
         if tensor.is_cuda:
             return future.then(lambda fut: fut.value()[0])
 

@@ -44,8 +44,8 @@ from common.checkpointer import BaseCheckpointer, PendingSave
 from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, eval_batches
-from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0,
-                         restarts, setup, teardown)
+from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, gather_objects,
+                         peer_loss_in_one_line, print0, restarts, setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (CommTimer, Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak,
@@ -96,6 +96,7 @@ class Config:
     crash_in_save: Optional[int] = None  # fault injection: rank 0 dies mid-write of step N's checkpoint
     crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
     freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
+    pause_at_step: Optional[int] = None  # fault injection: --crash-rank sleeps 1.5 --hang-timeout-s after step N: a false alarm
     nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (tiers/survivors.py)
@@ -106,7 +107,7 @@ class Config:
 
 
 # The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
-FAULTS = ("crash_at_step", "crash_in_save", "crash_in_snapshot", "freeze_at_step", "nan_at_step")
+FAULTS = ("crash_at_step", "crash_in_save", "crash_in_snapshot", "freeze_at_step", "pause_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
@@ -200,8 +201,7 @@ class Checkpointer(BaseCheckpointer):
         a fast copy from the GPU), after which training may change the weights; the write pool then
         writes, fsyncs and renames the file."""
         t0 = time.perf_counter()
-        rngs = [None] * self.world
-        dist.all_gather_object(rngs, rng_state())  # every rank's RNG, saved by rank 0
+        rngs = gather_objects(rng_state())  # every rank's RNG, saved by rank 0
         pending = PendingSave(step, t0)
         if self.rank == 0:
             before_commit = self.faults.in_save(step) if self.faults else None
@@ -264,7 +264,7 @@ class Checkpointer(BaseCheckpointer):
         chosen, state, t0 = [None], None, time.perf_counter()
         if rank == 0:
             _, chosen[0], state = load_newest(self.ckpt_dir, read_checkpoint)
-        dist.broadcast_object_list(chosen, src=0)
+        chosen = gather_objects(chosen[0])[:1]  # rank 0's
         if chosen[0] is None:
             if checkpoints(self.ckpt_dir):  # never train fresh over checkpoints that exist but do not load
                 fail(f"no checkpoint in {self.ckpt_dir} loads (see above); remove the damaged ones or use another "

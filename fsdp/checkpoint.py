@@ -37,7 +37,7 @@ from common.checkpoint import (COMMIT_MARKER, atomic_save, checkpoints, fsync_di
                                refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
 from common.checkpointer import BaseCheckpointer
 from common.config import fail
-from common.dist import PEER_LOST, agree, print0
+from common.dist import PEER_LOST, agree, gather_objects, print0
 from common.model import SHAPE_FIELDS
 
 # The layout of a ckpt/step-NNNNNNNN/ folder (Checkpointer.write): DCP's shards of "model" and
@@ -163,8 +163,7 @@ class Checkpointer(BaseCheckpointer):
         step = None
         # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
         # turn and move on together, so they never load different steps.
-        candidates = [[path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None]
-        dist.broadcast_object_list(candidates, src=0)
+        candidates = gather_objects([path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None)[:1]
         path, train_pt, load_s, unreadable = keeping_settings(self.optimizer, lambda: load_newest_everywhere(
             candidates[0], self.model, self.optimizer, self.device, self.monitor))
         if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load

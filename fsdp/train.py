@@ -44,7 +44,7 @@ from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE,
                            flag_problems, parse_config)
 from common.data import StepData, eval_batches
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
-                         setup, teardown)
+                         setup, teardown, wait)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
@@ -167,14 +167,14 @@ def scatter_from_rank0(model, full):
             padded = torch.zeros((rows * world, *param.shape[1:]), dtype=param.dtype, device=local.device)
             padded[:param.shape[0]] = params[name].detach()
             chunks = list(padded.chunk(world))
-        dist.scatter(shard, chunks, src=0)
+        wait(dist.scatter(shard, chunks, src=0, async_op=True))  # interruptible (common.dist)
         with torch.no_grad():
             local.copy_(shard[:local.shape[0]])
     buffers = dict(full.named_buffers()) if rank == 0 else {}
     for name, buffer in model.named_buffers():
         if rank == 0:
             buffer.copy_(buffers[name])
-        dist.broadcast(buffer, src=0)
+        wait(dist.broadcast(buffer, src=0, async_op=True))
 
 
 def build_model(cfg, mesh, device, bf16, monitor):

@@ -10,9 +10,10 @@ import socket
 import subprocess
 import time
 
-from tiers.survivors import FIRST_RANK, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD
+from tiers.survivors import FIRST_RANK, NCCL_SETTINGS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
+STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
 
 
 def serve_store(host, port=0, timeout_s=300):
@@ -76,6 +77,7 @@ class Supervisor:
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
         # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
         threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
+        threads.update(NCCL_SETTINGS)  # the user's own settings win
         local = slot - self.own.start
         first = local < self.nproc and self.restarts[slot] == 0 and self.incarnation == 1
         env = {**threads, **self.env, STORE: self.address, SLOT: str(slot), WORLD: str(self.world),
@@ -116,6 +118,8 @@ class Supervisor:
         ranks = {slot: rank for rank, slot in self.owners().items() if slot in slots}
         if not ranks:
             return
+        # Every survivor's watcher hears it now (tiers/survivors.py, Team.watch), not only the dead rank's neighbours.
+        self.store.compare_set(f"g{self.store.add('gen', 0)}/abort", "", f"rank {min(ranks.values())} {why}")
         gen = self.store.add("gen", 1)
         for slot, rank in ranks.items():
             n = self.store.add("vacancies", 1)
@@ -132,12 +136,19 @@ class Supervisor:
         for slot in self.own:
             if not self.stopped(slot):
                 self.stopped_since.pop(slot, None)
-            elif now - self.stopped_since.setdefault(slot, now) >= self.fence_s:
-                self.kill(slot, f"stopped for {self.fence_s:.0f} s")
+            elif now - self.stopped_since.setdefault(slot, now) >= (bound := self.stop_bound(slot)):
+                self.kill(slot, f"stopped for {bound:.1f} s")
                 self.stopped_since.pop(slot)
         if self.node == 0:
             self.find_lost_nodes(gen, now)
-        if self.store.add(f"g{gen}/lost", 0) == 0:
+        reports = self.store.add(f"g{gen}/lost", 0)
+        if reports == 0:
+            return
+        if reports >= self.world and self.node == 0:  # every rank alive and reporting: nobody to replace
+            if self.store.compare_set(f"g{gen}/next", "", "same").decode() == "same":
+                self.store.add("gen", 1)
+                print(f"supervisor: generation {gen} failed with no process lost (a false alarm: a slow link, a "
+                      f"pause): the same processes form generation {gen + 1}", flush=True)
             return
         if self.watch is None or self.watch[0] != gen:  # the first report of a loss in this generation
             self.watch = (gen, now)
@@ -151,6 +162,18 @@ class Supervisor:
             if slot is not None:
                 self.kill(slot, f"held up generation {gen} for {2 * self.fence_s:.0f} s")
         self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def stop_bound(self, slot):
+        """How long the process of `slot` may stay stopped before it is fenced: STOPPED_STEPS of its rank's
+        median step (its beat, tiers/survivors.py), at least STOPPED_FLOOR_S, at most fence_s; fence_s
+        for a spare, or before the rank has a beat."""
+        rank = self.holder(slot)
+        try:
+            median = float(self.store.get(f"beat/{rank}").split()[1]) if rank is not None and self.store.check(
+                [f"beat/{rank}"]) else 0.0
+        except (ValueError, IndexError):  # not a beat
+            median = 0.0
+        return min(self.fence_s, max(STOPPED_FLOOR_S, STOPPED_STEPS * median)) if median > 0 else self.fence_s
 
     def find_lost_nodes(self, gen, now):
         """Node 0: a node whose supervisor has not beaten for fence_s while a survivor reports a loss is

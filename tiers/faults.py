@@ -11,6 +11,7 @@ in every attempt, as a diverged run would.
 import os
 import signal
 import sys
+import time
 
 
 def first_attempt():
@@ -51,12 +52,17 @@ class Faults:
 
     def after_step(self, step, previous=None):
         """--crash-at-step: the crash rank dies once it has completed step N, before saving it;
-        --freeze-at-step: it stops there (SIGSTOP), as a hung process would, until someone kills it."""
+        --freeze-at-step: it stops there (SIGSTOP), as a hung process would, until someone kills it;
+        --pause-at-step: it sleeps there 1.5 --hang-timeout-s, its peers' collectives time out."""
         if self._due(self._flag("crash_at_step"), step, previous):
             crash(f"{self.name} after step {step}")
         if self._due(self._flag("freeze_at_step"), step, previous):
             print(f"injected freeze: {self.name} after step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self._due(self._flag("pause_at_step"), step, previous):  # alive: a false alarm, not a death
+            print(f"injected pause: {self.name} after step {step}, {1.5 * self.cfg.hang_timeout_s:.1f} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(1.5 * self.cfg.hang_timeout_s)
 
     def leaves(self, step, previous=None):
         """--drop-trainer-at-step (rpc): True where the crash rank should leave silently now."""

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from common.checkpoint import atomic_write, checkpoints, resume_problem, rng_state, set_rng_state
-from common.dist import agree, print0
+from common.dist import PEER_LOST, agree, gather_objects, print0, wait
 from common.model import SHAPE_FIELDS
 
 FORMAT = 2  # the layout of a record (written below, read in `load`); 2: its checksum covers its layout
@@ -108,15 +108,14 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
     next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
     folder = folder_of(cfg)
-    problems = [None] * dist.get_world_size()  # made here (it may have been made by another since the check)
-    dist.all_gather_object(problems, private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir "
-                           "to choose a folder)")
+    # made here (it may have been made by another since the check)
+    problems = gather_objects(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
+                              "folder)")
     bad = next((r for r, problem in enumerate(problems) if problem), None)
     if bad is not None:
         print0(f"memory tier off: rank {bad}: {problems[bad]}")
         return None
-    ids = [run_id(ckpt_dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(ids, src=0)
+    ids = gather_objects(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     replica = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
@@ -409,12 +408,16 @@ class Snapshots:
     def wait(self):
         """Until the copy in flight is done (its time counts in blocked_s). A copy that failed (a full
         tmpfs) turns the tier off on this rank, in one line: the disk tier is still there, and a
-        restart finds no newer snapshot of this rank, so it loads from disk."""
+        restart finds no newer snapshot of this rank, so it loads from disk. A replica's exchange that
+        failed with a peer is the job's loss, not the tier's: its error goes on (the group re-forms)."""
         t0 = time.perf_counter()
         if self.copying is not None:
             try:
                 self.copying.result()
             except Exception as e:
+                if any(phrase in str(e) for phrase in PEER_LOST):
+                    self.copying = None
+                    raise
                 if not self.failed:
                     print(f"rank {self.rank}: memory snapshot failed ({str(e).strip()[:160]}): the memory tier is "
                           "off on this rank, the disk checkpoints go on", flush=True)
@@ -527,9 +530,7 @@ class Snapshots:
         needy = [r for r in range(world) if step not in everyone[r].usable()]
         if needy:  # a replaced node's ranks: their records from the replicas, their state from peers
             replicas = self.replica.records() if self.replica else {}
-            offers = [None] * world
-            dist.all_gather_object(offers, {r: replicas[r][step] for r in needy if step in replicas.get(r, {})},
-                                   group=group)
+            offers = gather_objects({r: replicas[r][step] for r in needy if step in replicas.get(r, {})}, group)
             holder = {r: h for h, offer in enumerate(offers) for r in offer}
             if rank in needy:
                 record = offers[holder[rank]][rank]
@@ -545,7 +546,7 @@ class Snapshots:
             else:
                 source = min(r for r in range(world) if step in everyone[r].usable())
                 for _, t in local_tensors((model_state, optim_state)):
-                    dist.broadcast(t, source, group=group)
+                    wait(dist.broadcast(t, source, group=group, async_op=True))
                 how = f"the model and optimizer from rank {source}"
             print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
                    f"the replicas, {how}")
@@ -559,8 +560,7 @@ class Snapshots:
         restored, or None (with a line saying why, if there was a snapshot) for the caller to load from
         disk. One collective over the world group gathers what each rank holds; the ranks then try each
         step that all of them can restore, newest first, and load the same step or all fall back."""
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (self.held(), disk_step))
+        everyone = gather_objects((self.held(), disk_step))
         held = [h for h, _ in everyone]
         steps, why = candidates(held, everyone[0][1], self.replica.mode if self.replica else None)
         if why:

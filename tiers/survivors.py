@@ -32,17 +32,26 @@ process can never come back), and replaces it. A node lost whole (its supervisor
 --hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares of any node: node 0's
 supervisor posts them; the lost node's own supervisor, if it was only cut off, kills its processes.
 """
+import collections
 import contextlib
 import datetime
 import os
+import statistics
 import threading
 import time
+
+from common.dist import interrupt, interrupted, resume_waits
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
 STRIDE = 1000  # slots of node k: k * STRIDE + 0, 1, ... (a node runs fewer processes)
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
+BEAT_S = 0.1  # a rank's beat (beat/<rank>: its steps and its median step) every BEAT_S
+# NCCL in this mode: only an abort (the watcher's) or the group's own timeout ends a collective; neither
+# the watchdog (after an error, a timeout: it would kill the process) nor the heartbeat monitor kills it.
+NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
+                 "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
 def layout_problems(cfg, params):
@@ -101,6 +110,9 @@ class Team:
         self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
         self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
         self.lost = False  # a peer was lost in the body of `with team:`
+        self.formed = threading.Lock()  # held while a generation is formed: the watcher never interrupts the next
+        self.step_times, self.started = collections.deque(maxlen=50), None  # the steps of `with team:`
+        self.graveyard = []  # (when, the process groups) of the generations that failed (reform)
 
     def join(self, device_choice):
         """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
@@ -123,6 +135,8 @@ class Team:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank % self.nproc),
                           LOCAL_WORLD_SIZE=str(self.nproc))
         self.form(0 if first else None, device)
+        for target in (self.watch, self.beat):
+            threading.Thread(target=target, name=f"survivors-{target.__name__}", daemon=True).start()
         return self.rank, self.world, device
 
     def take_vacancy(self):
@@ -176,8 +190,52 @@ class Team:
                     time.sleep(POLL_S)
                 gen = self.newest()
         set_collective_timeout(self.timeout_s)  # the long timeout while the state is restored
-        self.gen = gen
+        with self.formed:
+            resume_waits()
+            self.gen = gen
         os.environ[GEN] = str(gen)
+
+    def watch(self):
+        """The watcher thread: it waits for the abort of this process's generation (g<gen>/abort), written by
+        a supervisor as soon as it sees a death, fences a frozen process or finds a node lost, and by the
+        first rank whose collective fails; it then ends at once every wait of this process on the group
+        (common.dist.interrupt: DDP's all-reduce, agree, the object gathers; on NCCL the group's abort
+        ends the rest), so that every survivor recovers now, not only the dead rank's neighbours. Its
+        own store client: one blocked in wait() stalls every other call on its client."""
+        import torch.distributed as dist
+        host, port = os.environ[STORE].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        while True:
+            gen = self.gen
+            try:  # every generation ends with its abort: a supervisor's, or a failed rank's (reform)
+                store.wait([f"g{gen}/abort"], datetime.timedelta(days=1))
+                reason = store.get(f"g{gen}/abort").decode()
+            except dist.DistError:  # the store is gone: the main thread finds out at its next call
+                return
+            with self.formed:
+                if self.gen == gen:
+                    interrupt(f"generation {gen}: {reason}")
+                    if dist.is_initialized() and dist.get_backend() == "nccl":  # unblocks its kernels
+                        dist.distributed_c10d._abort_process_group()
+            while self.gen == gen:
+                time.sleep(POLL_S)
+
+    def beat(self):
+        """The beat thread: every BEAT_S, this rank's steps and median step (beat/<rank>), from which the
+        supervisors learn how long a step takes here; and a wait on the group longer than its timeout
+        (on NCCL nothing else ends it) aborts the generation."""
+        import torch.distributed as dist
+        from common.dist import collective_timeout_s, oldest_wait_s
+        while True:
+            time.sleep(BEAT_S)
+            steps = list(self.step_times)
+            try:
+                self.store.set(f"beat/{self.rank}", f"{len(steps)} {statistics.median(steps) if steps else 0:.6f}")
+                waited = oldest_wait_s()
+                if waited > collective_timeout_s():
+                    self.store.compare_set(f"g{self.gen}/abort", "", f"rank {self.rank} waited {waited:.1f} s")
+            except dist.DistError:
+                return
 
     def all_ready(self, gen, deadline):
         """Wait until every rank is ready to form `gen`: True, or False once a newer one has begun."""
@@ -191,13 +249,16 @@ class Team:
         return self.store.add("gen", 0)
 
     def __enter__(self):
-        self.lost = False
+        self.lost, self.started = False, time.perf_counter()
         return self
 
     def __exit__(self, kind, error, traceback):
         """The body of `with team:` (a step of the loop) ends early when a peer is lost: team.lost, and the
-        error goes no further; any other error goes on."""
-        self.lost = error is not None and self.lost_peer(error)
+        error goes no further; any other error goes on. A body that ended after its generation's abort
+        (its collectives done before it) is lost too: the others have left to recover."""
+        if error is None and not interrupted():
+            self.step_times.append(time.perf_counter() - self.started)
+        self.lost = self.lost_peer(error) if error is not None else interrupted()
         return self.lost
 
     def recover(self, checkpointer, device, step, rebuild=None):
@@ -245,14 +306,20 @@ class Team:
         that reports none), wait for the supervisor's next generation and form it. Returns its number."""
         import torch.distributed as dist
         failed = self.gen
-        try:
+        try:  # the others hear of it at once (watch), if no supervisor has said it yet
+            self.store.compare_set(f"g{failed}/abort", "", f"rank {self.rank} saw a collective fail")
             self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
             self.store.add(f"g{failed}/lost", 1)
         except dist.DistNetworkError:
             raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost: leaving; the job "
                              "restarts whole") from None
-        leave = threading.Thread(target=dist.destroy_process_group, daemon=True)  # the failed op has ended
+        # The broken groups are kept until their collectives in flight have timed out (a gloo group that
+        # goes sooner blocks in its destructor until then); a generation's each a recovery, dropped later.
+        now = time.monotonic()
+        self.graveyard = [(t, g) for t, g in self.graveyard if now - t < 2 * self.timeout_s]
+        leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
         if dist.is_initialized():
+            self.graveyard.append((now, list(dist.distributed_c10d._world.pg_map)))
             leave.start()
             leave.join(self.timeout_s)
         if leave.is_alive():
