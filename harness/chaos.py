@@ -73,7 +73,7 @@ from harness.launch import (STRATEGIES, children, finish, free_port, kill_node, 
 from harness.metrics import Watch, events, final_history, phases  # noqa: E402
 from harness.s3server import BUCKET, S3Server  # noqa: E402
 
-STEPS, SAVE_EVERY, BATCH = 48, 8, 12
+STEPS, SAVE_EVERY, BATCH = 48, 8, 24
 # A fault at a drawn step needs training left after it, or the job may end before the watcher acts:
 # faults are drawn at least MARGIN steps before the end (a tiny job's step takes a few ms here).
 MARGIN = 16

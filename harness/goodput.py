@@ -2,9 +2,10 @@
 running (a dead rank replaced cold, or by a spare), measured in one run.
 
     bash run.sh goodput [--nproc 2] [--steps 1500] [--mean-gap-s 20] [--seed 0] [--out runs/goodput]
-                        [--modes "memory tier,survivors spare"] [--plot DIR]
+                        [--modes "memory tier,survivors spare"] [--signal KILL|STOP] [--plot DIR]
 
-An uninterrupted job, then the same job with a random worker SIGKILLed at steps drawn in advance, the
+An uninterrupted job, then the same job with a random worker SIGKILLed (--signal STOP: stopped, a
+frozen process the job must fence) at steps drawn in advance, the
 gaps geometric with a mean of --mean-gap-s seconds of training (the uninterrupted job's median step
 sets how many steps that is): once with the disk alone (--snapshot-every 0 --save-every 10), once with
 the memory tier (--snapshot-every 1 --save-every 50), then with it --survivors (the dead rank's process
@@ -43,9 +44,10 @@ def step_times(run_dir):
     return [e["step_s"] for e in events(run_dir) if e["event"] == "step" and e["rank"] == 0 and e["step"] > 5]
 
 
-def faulted(script, nproc, run_dir, flags, kills, rng):
-    """The job with a SIGKILL to a random worker once rank 0 has done each step of `kills` (after the
-    previous kill). Returns (wall seconds, [epoch time of each kill])."""
+def faulted(script, nproc, run_dir, flags, kills, rng, sig=signal.SIGKILL):
+    """The job with `sig` (a SIGKILL; a SIGSTOP: a frozen process, which the job must fence) to a random
+    worker once rank 0 has done each step of `kills` (after the previous kill). Returns (wall seconds,
+    [epoch time of each kill])."""
     t0, survivors = time.time(), "--survivors" in flags
     if survivors:  # the supervisor's processes, each restarted alone; a spare's flag is in `flags`
         cmd, env = survivors_job(script, nproc, run_dir, [f for f in flags if f != "--survivors"],
@@ -61,7 +63,7 @@ def faulted(script, nproc, run_dir, flags, kills, rng):
                 else workers(proc.pid, attempt))
         if not pids or proc.poll() is not None:
             raise SystemExit(f"goodput: {run_dir.name} ended before its kill at step {step}")
-        kill_worker(pids[rng.choice(sorted(pids))])
+        kill_worker(pids[rng.choice(sorted(pids))], sig)
         killed_at.append(time.time())
     code, output, hung = finish(proc, t0 + 1800)
     if not survivors:
@@ -108,9 +110,9 @@ def plot(results, folder):
     print(f"plot: {Path(folder) / 'goodput.png'}", flush=True)
 
 
-def kill_worker(pid):
+def kill_worker(pid, sig):
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except ProcessLookupError:  # it ended meanwhile: the job's problems() will say how
         pass
 
@@ -125,6 +127,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the kills' steps and victims")
     p.add_argument("--out", default="runs/goodput", help="folder for the jobs and results.json")
     p.add_argument("--modes", default=",".join(MODES), help=f"the faulted jobs, of: {', '.join(MODES)}")
+    p.add_argument("--signal", default="KILL", choices=["KILL", "STOP"], help="what each fault sends a worker")
     p.add_argument("--plot", default="", help="a folder for goodput.png: each job's step against its wall time")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
@@ -162,7 +165,7 @@ def main(argv=None):
         run_dir = out / mode.replace(" ", "-")
         launched = time.time()
         wall, killed_at = faulted(args.script, args.nproc, run_dir, [*flags, *MODES[mode]], kills,
-                                  random.Random(args.seed))
+                                  random.Random(args.seed), getattr(signal, f"SIG{args.signal}"))
         drawn[mode] = (run_dir, launched, killed_at)
         rows_events = events(run_dir)
         split = [phases(rows_events, t) for t in killed_at]
@@ -183,7 +186,7 @@ def main(argv=None):
     print(tabulate(table, headers=["", "goodput", "time lost", "steps replayed", "restarts etc.",
                                    "kill to training again p50 / p95", "step time / uninterrupted", "digest =="]))
     result = {"uninterrupted_s": clean_s, "median_step_s": step_s, "kills_after_steps": kills, "modes": rows,
-              "command": "bash run.sh goodput " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "signal": args.signal, "command": "bash run.sh goodput " + " ".join(argv if argv is not None else sys.argv[1:])}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
         plot(drawn, args.plot)

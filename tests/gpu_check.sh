@@ -8,10 +8,12 @@
 #      streams), against the scripts' synchronous saves (torch.save; DCP at 8 threads) and the async save;
 #   3. crash-resume on the GPU, each against a run never crashed (digests must match): fsdp killed in its
 #      async save's upload, fsdp --compile killed while staging, ddp killed in its async write;
-#   4. ddp on the largest preset with --async-save, for the README's DDP column.
+#   4. ddp on the largest preset with --async-save, for the README's DDP column;
+#   5. --survivors on NCCL, where there are 2 GPUs or more: a rank SIGKILLed, one SIGSTOPped.
 # Each job is launched as the tests launch it (python3 -m harness.launch), with a timeout.
 #   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
+#   (SURVIVORS_ON_CPU=1 runs section 5 there too)
 # OUT (default: a new folder under /tmp, printed) receives the log, both summary.json files and save_bench.json. Exit 1 if any
 # run failed, restarted when it should not have (torchrun's restarts would hide a crash behind the right
 # digest) or other than its fault asked, or resumed to another digest. The targets are reported, not
@@ -126,6 +128,51 @@ done
 
 # 4. DDP on the largest preset (its async save copies on the loop, into pinned memory): one save, at the end.
 big ddp-big ddp/train.py --async-save --steps 40 --save-every 40
+
+# 5. --survivors on NCCL (tiers/survivors.py): the last rank SIGKILLed after step 20, rank 1 SIGSTOPped
+# after step 40; rank 0 keeps its process, hears of each from the store and aborts its NCCL group; the
+# job ends with the digest of one never faulted. NCCL refuses two ranks on one GPU: a GPU a process.
+# SURVIVORS_ON_CPU=1: the same on the CPU (gloo), which checks this section itself.
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+layouts=(); device=cuda
+[ "$gpus" -ge 2 ] && layouts+=("2 0")
+[ "$gpus" -ge 5 ] && layouts+=("4 1")
+[ -n "${SURVIVORS_ON_CPU:-}" ] && layouts=("2 0" "4 1") && device=cpu
+[ ${#layouts[@]} = 0 ] && log "survivors on NCCL: not run: $gpus GPU here, two ranks need two (NCCL refuses two ranks on one device)"
+for layout in "${layouts[@]}"; do
+  read -r n spares <<< "$layout"
+  log "survivors on $device: $n ranks, $spares spare: a SIGKILL after step 20, a SIGSTOP after step 40"
+  timeout 600 python3 - "$R/survivors-$n" "$n" "$spares" "$device" "$SMALL" <<'PY' || failed+=("survivors, $n ranks on $device")
+import json, os, signal, sys
+from harness.launch import finish, problems, start, survivors_job, torchrun
+from harness.metrics import Watch, events
+run, n, spares, device, preset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+flags = ["--preset", preset, "--steps", 80, "--save-every", 40, "--batch-size", 4 * n, "--device", device,
+         "--log-every", 80, "--dropout", 0.1]
+proc = start(*torchrun("ddp/train.py", n, run + "-ref", flags), log=run + "-ref.log")
+code, output, hung = finish(proc, float("inf"))
+wrong = problems(run + "-ref", code, output, 0)
+proc = start(*survivors_job("ddp/train.py", n, run, flags, spares), log=run + ".log")
+for step, rank, number in ((20, n - 1, signal.SIGKILL), (40, 1, signal.SIGSTOP)):
+    if Watch(run).first("step", proc, rank=0, min_step=step) is None:
+        sys.exit(f"the job ended before step {step}")
+    pid = [e["pid"] for e in events(run) if e["event"] == "start" and e["rank"] == rank][-1]
+    os.kill(pid, number)
+code, output, hung = finish(proc, float("inf"))
+wrong += ["hung"] if hung else [f"exit {code}"] if code else ["a Traceback"] if "Traceback" in output else []
+ev = events(run)
+starts = [e for e in ev if e["event"] == "start" and e["rank"] == 0]
+wrong += [] if len(starts) == 1 else [f"rank 0 started {len(starts)} times"]
+for e in (e for e in ev if e["event"] == "recovered"):
+    print(f"rank {e['rank']}, generation {e['generation']}: training again {e['recover_s']:.2f} s after it saw the "
+          f"loss, from step {e['step']}")
+digests = [json.load(open(f"{d}/summary.json"))["param_digest"] for d in (run + "-ref", run)] if not wrong else []
+wrong += ["the digest differs from the uninterrupted job's"] if digests and digests[0] != digests[1] else []
+print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, {n} ranks on {device}: rank 0 kept its process, "
+      "digest equal")
+sys.exit(1 if wrong else 0)
+PY
+done
 log end
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"

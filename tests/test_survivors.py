@@ -2,7 +2,9 @@
 their processes, and the job ends with the weights of one that never failed (tiers/survivors.py)."""
 import contextlib
 import io
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -14,10 +16,10 @@ from harness import launch
 SCRIPT = "ddp/train.py"
 
 
-def survivors_run(run_dir, *flags, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None):
-    """A --survivors job of 2 ranks; returns its output, after checking that it exited 0 with no Traceback.
+def survivors_run(run_dir, *flags, nproc=2, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None):
+    """A --survivors job of `nproc` ranks; returns its output, after checking that it exited 0 with no Traceback.
     `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs."""
-    cmd, env = launch.survivors_job(script, 2, run_dir, flags, spares)
+    cmd, env = launch.survivors_job(script, nproc, run_dir, flags, spares)
     proc = launch.start(wrap(cmd) if wrap else cmd, env, run_dir / "job.log")
     if while_running:
         while_running(proc)
@@ -31,26 +33,44 @@ def process_story(run_dir, rank):
     return [e["pid"] for e in metrics(run_dir, rank, "start")], metrics(run_dir, rank, "recovered")
 
 
-def test_a_frozen_rank_is_fenced_and_replaced_cold_while_the_survivor_keeps_its_process(tmp_path, ddp_reference):
-    # Rank 1 stops itself (SIGSTOP) after step 6: the supervisor kills it (a fence: it can never come
-    # back), and a new process takes rank 1's place and restores step 5 from the memory tier with rank 0.
-    # Meanwhile (frozen: the job waits) the job on one machine listens on the loopback only, its store
-    # and gloo, even where the host's name resolves to its network address.
-    def loopback_only(proc):
-        assert wait_for_step(run, 6, proc), "the job ended before step 6: the freeze never came"
+def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tmp_path):
+    # 4 ranks and a spare. After step 10 rank 1 pauses (alive) 1.5 --hang-timeout-s: its peers'
+    # collectives time out, every rank reports it, and the same processes form the next generation (a
+    # false alarm: nobody replaced, the memory tier still on). After step 40 rank 2 is SIGKILLed, after
+    # step 70 rank 3 SIGSTOPped, each while the others wait in collectives with one another, not with
+    # it: they hear of it from the job's store (the supervisor's abort), not from a timeout. Meanwhile
+    # the job on one machine listens on the loopback only, even where the host's name resolves to its
+    # network address.
+    flags = [*SMALL, *DROPOUT, "--steps", "100", "--save-every", "50", "--hang-timeout-s", 3]
+    reference = tmp_path / "reference"
+    torchrun(SCRIPT, 4, reference, *flags)
+    run = tmp_path / "run"
+
+    def faults(proc):
+        assert wait_for_step(run, 10, proc), "the job ended before step 10: the pause never came"
         sockets = listening(proc.pid)
         assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
-    run = tmp_path / "run"
-    output = survivors_run(run, *SMALL, *DROPOUT, "--freeze-at-step", 6, "--crash-rank", 1, "--hang-timeout-s", 2,
-                           wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=loopback_only)
-    assert "injected freeze: rank 1 after step 6" in output
-    # Stopped for 2 s, or silent 4 s after rank 0 reported its collective's timeout: whichever comes first.
-    assert re.search(r"supervisor: rank 1 \(slot 1\) (stopped for 2|held up generation 0 for 4) s: frozen, killed", output)
-    survivor, recovered = process_story(run, 0)
-    assert len(survivor) == 1 and [(e["pid"], e["step"]) for e in recovered] == [(survivor[0], 5)]
-    frozen, replacement = metrics(run, 1, "start")
-    assert replacement["restarts"] == 1 and replacement["launched_at"] > recovered[0]["lost_at"]
-    assert summary(run)["param_digest"] == summary(ddp_reference)["param_digest"]
+        for step, rank, number in ((40, 2, signal.SIGKILL), (70, 3, signal.SIGSTOP)):
+            assert wait_for_step(run, step, proc), f"the job ended before step {step}: rank {rank} never faulted"
+            os.kill(metrics(run, rank, "start")[-1]["pid"], number)
+    output = survivors_run(run, *flags, "--pause-at-step", 10, "--crash-rank", 1, nproc=4, spares=1,
+                           wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=faults)
+    assert "injected pause: rank 1 after step 10" in output
+    assert "generation 0 failed with no process lost (a false alarm" in output
+    assert "supervisor: rank 2 (slot 2) killed by signal 9: generation 2" in output
+    stopped = re.search(r"supervisor: rank 3 \(slot 3\) stopped for ([\d.]+) s: frozen, killed", output)
+    assert stopped and float(stopped[1]) < 3, output[-3000:]  # learnt from the steps, not the hang timeout
+    # Ranks 0 and 1 kept their processes through the three; each fault cost one new process at most.
+    for rank, processes in enumerate((1, 1, 2, 2)):
+        assert len(metrics(run, rank, "start")) == processes, (rank, metrics(run, rank, "start"))
+    recovered = {rank: metrics(run, rank, "recovered") for rank in range(4)}
+    assert [e["generation"] for e in recovered[0]] == [1, 2, 3] and len(recovered[1]) == 3
+    for gen in (1, 2, 3):  # the kill's and the stop's survivors saw it at about the same moment (the
+        seen = [e for r in range(4) for e in recovered[r] if e["generation"] == gen]  # paused one: on waking)
+        assert gen == 1 or max(e["lost_at"] for e in seen) - min(e["lost_at"] for e in seen) < 1, seen
+        assert all(e["recover_s"] < 3 for e in seen), seen  # and trained again well within a hang timeout
+    assert [e["source"] for e in metrics(run, 0, "load")] == ["memory"] * 3
+    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
 @pytest.mark.parametrize("flags, message", [
