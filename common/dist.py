@@ -153,13 +153,16 @@ def wait(work):
     """Wait for an async collective's work (`dist.all_reduce(..., async_op=True)`), interruptibly."""
     try:
         future = work.get_future()
-    except RuntimeError:  # gloo's isend and irecv have no future: their completion is polled
-        while not work.is_completed():
-            if _interrupted[0] is not None:
-                raise RuntimeError(f"{PEER_LOST_NOW}: {_interrupted[0]}") from None
-            time.sleep(0.001)
-        work.wait()
-        return
+    except RuntimeError:  # gloo's isend and irecv have no future, nor say when done: a thread waits
+        future = torch.futures.Future()
+
+        def wait_in_thread():
+            try:
+                work.wait()
+                future.set_result(None)
+            except Exception as e:
+                future.set_exception(e)
+        threading.Thread(target=wait_in_thread, name="wait", daemon=True).start()
     interruptible(future).wait()
 
 
