@@ -46,8 +46,8 @@ class Supervisor:
 
     `cmd` runs the script; `nproc` ranks a node on `nnodes` nodes (this one `node`; `endpoint` host:port
     of node 0's store when there are several) and `spares` waiting processes, each restarted up to
-    `max_restarts` times; a process stopped for `fence_s`, or a rank that reports no loss within twice
-    that of a peer's report, is SIGKILLed (fenced) and replaced; node 0 gives away the ranks of a node
+    `max_restarts` times; a process stopped for 20 of its steps (at most `fence_s`), or a rank that
+    reports no loss within twice `fence_s` of a peer's report, is SIGKILLed (fenced) and replaced; node 0 gives away the ranks of a node
     silent for `fence_s` after a report. run() returns this node's exit status."""
 
     def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None):
@@ -128,10 +128,11 @@ class Supervisor:
                   f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
 
     def fence(self):
-        """Kill (fence) the processes that hold the job up for fence_s, so that the supervisor replaces
-        them: one stopped (SIGSTOP) that long, whatever its peers wait in (a save waits --timeout-s); and,
-        once a survivor has reported a loss and no process died for 2 fence_s, the ranks of this node
-        that reported none (frozen otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent."""
+        """Kill (fence) the processes that hold the job up, so that the supervisor replaces them: one
+        stopped (SIGSTOP) for stop_bound(), whatever its peers wait in; and, once a survivor has reported
+        a loss and no process died for 2 fence_s, the ranks of this node that reported none (frozen
+        otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent, and starts the
+        next generation when every rank reported a loss and none died (a false alarm)."""
         gen, now = self.store.add("gen", 0), time.monotonic()
         for slot in self.own:
             if not self.stopped(slot):

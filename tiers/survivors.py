@@ -14,7 +14,12 @@ to the address of RDZV_ENDPOINT). The store holds:
     claim/<n>           "<slot> <pid>": the process that took vacancy n (a slot: its place in the launch,
                         node * STRIDE + its place on the node, whatever the other nodes' --spares)
     g<gen>/member/<r>   rank r is ready to form generation gen; the group forms when all are
+    g<gen>/abort        why generation gen is over: written first by a supervisor that saw a death, a
+                        fence or a lost node, or by the first rank whose collective failed; every rank's
+                        watcher then ends its waits on the group (Team.watch)
     g<gen>/lost/<r>     rank r saw a peer fail in generation gen (count: g<gen>/lost)
+    g<gen>/next         "same": every rank reported, nobody died (a false alarm): node 0 began the next
+    beat/<r>            "<steps> <median step s>" of rank r, every BEAT_S (Team.beat)
     node/<k>/...        node k's supervisor: its incarnation (one more each time it starts: a node that
                         comes back starts only spares), its beat (one more every 0.1 s), lost/<i> (who
                         gave away the ranks of its incarnation i: node 0, which found it silent, or the
@@ -23,14 +28,18 @@ to the address of RDZV_ENDPOINT). The store holds:
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
 
-A survivor that sees a collective fail (Team.lost_peer) calls Team.reform: it destroys its group,
-waits for the supervisor's next generation, forms it with the newcomer, and the script then restores
-the newest step every rank holds, as a restart would, and redoes the steps after it. A frozen rank
-never dies: the supervisor kills a process stopped for --hang-timeout-s, and, once a survivor has
-reported a loss, whichever rank has not reported one within twice --hang-timeout-s (a fence: a stale
-process can never come back), and replaces it. A node lost whole (its supervisor silent for
---hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares of any node: node 0's
-supervisor posts them; the lost node's own supervisor, if it was only cut off, kills its processes.
+A survivor whose collective fails, or is ended by its watcher (Team.lost_peer), calls Team.reform: it
+leaves its group, waits for the supervisor's next generation, forms it with the newcomer, and the
+script then restores the newest step every rank holds, as a restart would, and redoes the steps after
+it. gloo cannot abort a collective: the scripts wait for theirs through common.dist.wait, which the
+watcher ends, and keep the broken group until its timeout. A generation every rank reports lost with
+nobody dead (a pause, a slow link) is a false alarm: the same processes form the next. A frozen rank
+never dies: the supervisor kills a process stopped for STOPPED_STEPS of its steps (at least
+STOPPED_FLOOR_S), and, once a survivor has reported a loss, whichever rank has not reported one within
+twice --hang-timeout-s (a fence: a stale process can never come back), and replaces it. A node lost
+whole (its supervisor silent for --hang-timeout-s once a survivor has reported a loss) leaves its ranks
+to spares of any node: node 0's supervisor posts them; the lost node's own supervisor, if it was only
+cut off, kills its processes.
 """
 import collections
 import contextlib
