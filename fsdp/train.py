@@ -177,30 +177,6 @@ def scatter_from_rank0(model, full):
         wait(dist.broadcast(buffer, src=0, async_op=True))
 
 
-def interruptible_collectives(modules):
-    """FSDP2's all-gathers and reduce-scatters of `modules`, waited through common.dist.wait, so that the
-    survivors' watcher ends them at once when a peer is lost (tiers/survivors.py): the same collectives,
-    each finished before FSDP goes on. (On NCCL the group's abort ends them.)"""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-        assert hasattr(modules[0], "set_custom_reduce_scatter")
-    except (ImportError, AssertionError):  # a torch without them: a survivor may wait in one until its timeout
-        print0("fsdp: this torch has no custom FSDP collectives: a survivor may wait for a lost peer until "
-               "--hang-timeout-s")
-        return
-
-    class AllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            wait(super().__call__(output_tensor, input_tensor, group, async_op=True))
-
-    class ReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            wait(super().__call__(output_tensor, input_tensor, group, op, async_op=True))
-    for module in modules:
-        module.set_custom_all_gather(AllGather())
-        module.set_custom_reduce_scatter(ReduceScatter())
-
-
 def build_model(cfg, mesh, device, bf16, monitor):
     """The Transformer of `cfg`, sharded over `mesh`. It is built on the meta device (shapes, no memory),
     sharded, and only then given memory: each rank allocates its own shards, never the whole model. Rank 0
@@ -220,6 +196,7 @@ def build_model(cfg, mesh, device, bf16, monitor):
                     reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
     if cfg.survivors and device.type == "cpu":  # gloo cannot abort FSDP's collectives: wait for them ourselves
+        from tiers.survivors import interruptible_collectives
         interruptible_collectives([model, *model.blocks])
     baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
     model.to_empty(device="cpu" if cfg.cpu_offload else device)

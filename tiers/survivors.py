@@ -348,3 +348,28 @@ def warm_up(device):
     optimizer machinery (the first construction imports torch._dynamo, about as long as `import torch`)."""
     import torch
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))])
+
+
+def interruptible_collectives(modules):
+    """FSDP2's all-gathers and reduce-scatters of `modules`, waited through common.dist.wait, so that the
+    survivors' watcher ends them at once when a peer is lost (tiers/survivors.py): the same collectives,
+    each finished before FSDP goes on. (On NCCL the group's abort ends them.)"""
+    from common.dist import print0, wait
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+        assert hasattr(modules[0], "set_custom_reduce_scatter")
+    except (ImportError, AssertionError):  # a torch without them: a survivor may wait in one until its timeout
+        print0("fsdp: this torch has no custom FSDP collectives: a survivor may wait for a lost peer until "
+               "--hang-timeout-s")
+        return
+
+    class AllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            wait(super().__call__(output_tensor, input_tensor, group, async_op=True))
+
+    class ReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            wait(super().__call__(output_tensor, input_tensor, group, op, async_op=True))
+    for module in modules:
+        module.set_custom_all_gather(AllGather())
+        module.set_custom_reduce_scatter(ReduceScatter())
