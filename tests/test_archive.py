@@ -2,6 +2,8 @@
 SeaweedFS's `weed mini`, keys required, on loopback ports of its own). Each test archives under a prefix of
 its own. rpc/ps.py's archive: tests/test_rpc.py's reference job."""
 import dataclasses
+import functools
+import hashlib
 import json
 import re
 import shutil
@@ -18,6 +20,7 @@ from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused,
 from harness import launch
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
+from tiers.archive import ASIDE
 
 
 @pytest.fixture
@@ -111,6 +114,73 @@ def test_a_lost_run_folder_resumes_from_the_newest_whole_archived_step_bitwise(l
     assert 375 in marked(fs, "long") and 400 in marked(fs, "long")  # trained again, archived again
 
 
+def plant_marker(fs, prefix, step, name, files, objects=(), pad=0, config=None):
+    """A marker (ARCHIVED.json) for `step` under `prefix`, written as whoever controls the bucket would:
+    `files` {name: bytes}, each listed with its real size and sha256 unless given as (bytes, size)."""
+    listed = {}
+    for fname, data in files.items():
+        data, size = data if isinstance(data, tuple) else (data, len(data))
+        listed[fname] = {"bytes": size, "sha256": hashlib.sha256(data).hexdigest()}
+    for key, data in objects:
+        fs.pipe_file(f"{BUCKET}/{prefix}/step-{step:08d}/{key}", data)
+    marker = {"step": step, "name": name, "files": listed, "config": config or {}, "pad": "x" * pad}
+    fs.pipe_file(f"{BUCKET}/{prefix}/step-{step:08d}/ARCHIVED.json", json.dumps(marker).encode())
+
+
+def test_a_marker_from_the_bucket_writes_nothing_outside_the_fetch_and_a_damaged_archive_is_a_stop(long_job, s3,
+                                                                                                  tmp_path):
+    # Over a whole step 350, six markers that whoever can write the bucket could leave, newest first: a file
+    # named by an absolute path (its object there, its sha256 right: the old fetch wrote it), a ../ file
+    # name, a ../ step name, another step's name, a marker of 2 MiB, an object larger than its marker says. Each is
+    # one line and skipped; step 350 is fetched and the job ends as the untouched one; then the six are
+    # moved aside. Nothing is written outside the run folder.
+    run, _, _, _ = long_job
+    reference, fs = summary(run)["param_digest"], s3.client()
+    for obj in fs.find(f"{BUCKET}/long/step-00000350"):
+        fs.copy(obj, obj.replace("/long/", "/planted/"))
+    pt, outside = fs.cat_file(f"{BUCKET}/planted/step-00000350/step-00000350.pt"), tmp_path / "outside"
+    outside.mkdir()
+    evil = str(outside / "escape-abs.txt")
+    config = json.loads(fs.cat_file(f"{BUCKET}/planted/step-00000350/ARCHIVED.json"))["config"]
+    plant = functools.partial(plant_marker, config=config)
+    plant(fs, "planted", 356, "step-00000356.pt", {"step-00000356.pt": pt, evil: b"the bucket's bytes"},
+          objects=[("step-00000356.pt", pt), (evil, b"the bucket's bytes")])
+    plant(fs, "planted", 355, "step-00000355.pt", {"step-00000355.pt": pt, "../escape-rel.txt": b"x"},
+          objects=[("step-00000355.pt", pt)])
+    plant(fs, "planted", 354, "../../escape-name.pt", {"../../escape-name.pt": pt})
+    plant(fs, "planted", 353, "step-00000350.pt", {"step-00000350.pt": pt}, objects=[("step-00000350.pt", pt)])
+    plant(fs, "planted", 352, "step-00000352.pt", {"step-00000352.pt": pt}, objects=[("step-00000352.pt", pt)],
+          pad=2 << 20)
+    plant(fs, "planted", 351, "step-00000351.pt", {"step-00000351.pt": (pt[:10], 10)},
+          objects=[("step-00000351.pt", pt)])
+    job = tmp_path / "job" / "run"
+    out = torchrun("ddp/train.py", 1, job, *FLAGS[:-6], "--archive", "s3://ckpt/planted", env=s3.env)
+    output = out.stdout + out.stderr
+    why = {356: "not a plain file name", 355: "not a plain file name", 354: "not step 354's own checkpoint",
+           353: "not step 353's own checkpoint", 352: "more than a marker's", 351: "its marker says 10"}
+    for step, words in why.items():
+        line = next(x for x in output.splitlines() if x.startswith(f"archive: step {step} fails its check"))
+        assert words in line, line
+        assert f"archive: moved step {step} aside" in output
+    assert "fetched step 350 from s3://ckpt/planted" in output and summary(job)["resumed_from_step"] == 350
+    assert summary(job)["param_digest"] == reference
+    assert not list(outside.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["job", "outside"]
+    assert sorted(p.name for p in job.parent.iterdir()) == ["run"]
+    assert not [p for p in job.rglob("*escape*")] and not list(Path("/").glob("escape*"))
+    # M5: an archive whose every step fails its check stops the job in one line, exit 2; nothing moved.
+    for obj in fs.find(f"{BUCKET}/long/step-00000350"):
+        fs.copy(obj, obj.replace("/long/", "/allbad/"))
+    fs.pipe_file(f"{BUCKET}/allbad/step-00000350/step-00000350.pt", pt[:-1] + bytes([pt[-1] ^ 1]))
+    out = torchrun("ddp/train.py", 1, tmp_path / "bad", *FLAGS[:-6], "--archive", "s3://ckpt/allbad", env=s3.env,
+                   check=False)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    errors = [x for x in out.stderr.splitlines() if "error:" in x]
+    assert len(errors) == 1 and "no archived step of s3://ckpt/allbad passes its check" in errors[0], out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert marked(fs, "allbad") == [350] and not fs.exists(f"{BUCKET}/allbad/{ASIDE}")
+    assert not list((tmp_path / "bad" / "ckpt").glob("step-*"))
+
+
 def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s3_env, monkeypatch):
     # Each problem is one line and exit 2, from the flags' check (run.sh's preflight and each worker).
     run = ["--run-dir", tmp_path / "run"]
@@ -120,7 +190,8 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     module = launch.load_script(REPO / "ddp/train.py")
     other = {**dataclasses.asdict(module.Config()), "dim": 48}
     client(s3_env).pipe_file(f"{BUCKET}/other-config/step-00000004/ARCHIVED.json",
-                 json.dumps({"step": 4, "name": "step-00000004.pt", "files": {}, "config": other}).encode())
+                 json.dumps({"step": 4, "name": "step-00000004.pt", "config": other,
+                                 "files": {"step-00000004.pt": {"bytes": 1, "sha256": "0" * 64}}}).encode())
     line = refused("ddp/train.py", *run, "--archive", "s3://ckpt/other-config")
     assert "s3://ckpt/other-config/step-00000004: checkpoint was made with dim=48 (this run: 64)" in line
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")

@@ -6,9 +6,11 @@ tiers.archive URL`, runs it alone) and needs s3fs (requirements.txt).
 Layout: s3://bucket/prefix/step-NNNNNNNN/ holds a checkpoint's files (a DCP folder's, `.metadata` last
 of them; or the one step-NNNNNNNN.pt), then ARCHIVED.json, the commit: each file's bytes and sha256, the
 step and the saving job's config. An S3 object appears whole or not at all, so a step without that
-marker was cut short and is never loaded; a step with it is never written again. A marked step whose
-objects are missing or differ from the marker is moved aside to prefix/unreadable/step-NNNNNNNN-<time>/
-(copied there, then its marker and objects deleted) and the previous one is tried.
+marker was cut short and is never loaded; a step with it is never written again. A fetch trusts no
+marker: one that names a file by a path, or another step, or whose objects are missing or differ from
+it, is skipped for the previous step; once an older one is fetched, the skipped ones are moved aside to
+prefix/unreadable/step-NNNNNNNN-<time>/ (copied there, then their marker and objects deleted). If none
+passes, the job stops (exit 2) with nothing moved, as a run folder whose checkpoints do not load does.
 
 The endpoint and credentials are boto's own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws. No flag takes them and no line prints a key.
@@ -135,7 +137,7 @@ def newest_archived(url):
         steps = marked_steps(fs, url)
         if steps:
             where = f"s3://{base(url)}/step-{steps[0]:08d}"
-            return where, json.loads(fs.cat_file(f"{where[5:]}/{MARKER}"))["config"]
+            return where, read_marker(fs, where[5:], steps[0])["config"]
     except Exception:
         pass
     return None, None
@@ -370,6 +372,10 @@ class ArchiveTier:
         if restored is None and not checkpoints(self.ckpt_dir):
             try:
                 step, nbytes, seconds = fetch_newest(self.cfg.archive, self.ckpt_dir)
+            except NoneWhole as e:
+                from common.config import fail
+                fail(f"{e}; never a fresh start over the archive: move the damaged steps away or use another "
+                     "--archive")
             except Exception as e:
                 print(f"could not read the archive {self.cfg.archive} ({type(e).__name__}: {str(e)[:120]}): not "
                       "starting fresh over it", flush=True)
@@ -412,41 +418,91 @@ class Damaged(Exception):
     pass
 
 
+class NoneWhole(Exception):
+    pass
+
+
 def fetch_newest(url, ckpt_dir):
     """Copy the newest archived step that is whole into `ckpt_dir` (committed there by a rename: the
     script's own load then reads it, with all its checks) and return (step, bytes, seconds); or
-    (None, 0, 0) if none is. A marked step whose objects are missing or differ is moved aside in the
-    archive and the previous one is tried."""
+    (None, 0, 0) if the archive has none. A marked step whose marker or objects fail their check is
+    skipped; once an older one has been fetched, the skipped ones are moved aside in the archive. If
+    none passes, nothing is moved and NoneWhole is raised: as with a run folder whose checkpoints do not
+    load, the job stops (never a fresh start over the archive)."""
     fs, t0 = filesystem(), time.perf_counter()
     for stale in Path(ckpt_dir).glob(".fetch-*"):  # a download killed before its rename (the lookup ignores it)
         shutil.rmtree(stale, ignore_errors=True)
+    damaged = []
     for step in marked_steps(fs, url):
         src = f"{base(url)}/step-{step:08d}"
         try:
-            nbytes, name = download(fs, src, Path(ckpt_dir))
+            nbytes, name = download(fs, src, step, Path(ckpt_dir))
         except Damaged as why:
-            move_aside(fs, url, step, str(why))
+            print(f"archive: step {step} fails its check ({why}): trying the previous one", flush=True)
+            damaged.append((step, str(why)))
             continue
+        for newer, why in damaged:
+            move_aside(fs, url, newer, why)
         print(f"fetched step {step} from {url} ({nbytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f} s)",
               flush=True)
         return step, nbytes, time.perf_counter() - t0
+    if damaged:
+        raise NoneWhole(f"no archived step of {url} passes its check (see above; steps "
+                        f"{', '.join(str(s) for s, _ in damaged)}): nothing loaded, nothing moved")
     return None, 0, 0.0
 
 
-def download(fs, src, ckpt_dir):
-    """Download the archived step `src` into a temp folder, checking each file against the marker, and
-    commit it as ckpt_dir/<name> by one rename. Returns (bytes, name); raises Damaged."""
+PLAIN = re.compile(r"[A-Za-z0-9._-]{1,255}")  # a file name a marker may give: no separator
+MARKER_MAX = 1 << 20  # bytes: a marker lists a step's few files (a DCP folder's: one a rank, and 2)
+
+
+def read_marker(fs, src, step):
+    """The marker of the archived step `src` (of `step`), checked before anything is written from it: its
+    own size bounded, `name` the step's own (its file, or its DCP folder), each file a plain name (no
+    separator, not . or ..) with a size and a sha256. Raises Damaged naming what is wrong: a marker is
+    the bucket's word, and whoever can write the bucket can write it."""
+    size = fs.info(f"{src}/{MARKER}")["size"]
+    if size > MARKER_MAX:
+        raise Damaged(f"its marker is {size} bytes, more than a marker's {MARKER_MAX}")
+    try:
+        manifest = json.loads(fs.cat_file(f"{src}/{MARKER}"))
+        name, files = manifest["name"], manifest["files"]
+        assert isinstance(files, dict) and files
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise Damaged("its marker is not a marker (JSON with a name and files)") from None
+    if name not in (f"step-{step:08d}", f"step-{step:08d}.pt"):
+        raise Damaged(f"its marker names {str(name)[:80]!r}, not step {step}'s own checkpoint")
+    for fname, want in files.items():
+        if not PLAIN.fullmatch(fname) or fname in (".", ".."):
+            raise Damaged(f"its marker names the file {fname[:80]!r}, not a plain file name")
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and want["bytes"] >= 0
+                and re.fullmatch(r"[0-9a-f]{64}", str(want.get("sha256")))):
+            raise Damaged(f"its marker gives {fname!r} no size and sha256")
+    if name.endswith(".pt") and list(files) != [name]:
+        raise Damaged(f"its marker lists other files than {name}")
+    return manifest
+
+
+def download(fs, src, step, ckpt_dir):
+    """Download the archived step `src` (of `step`) into a temp folder of this process's, checking its
+    marker (read_marker) and each object against it (its size before the download, its sha256 after),
+    and commit it as ckpt_dir/<name> by one rename. Returns (bytes, name); raises Damaged. Nothing is
+    written outside the temp folder but the commit: each file is made new there (O_EXCL | O_NOFOLLOW)."""
     from common.checkpoint import fsync_dir as fsync  # (the training process's: torch is imported there)
-    manifest = json.loads(fs.cat_file(f"{src}/{MARKER}"))
+    manifest = read_marker(fs, src, step)
     name, files = manifest["name"], manifest["files"]
     tmp = ckpt_dir / f".fetch-{name}-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir(mode=0o700)
     try:
         for fname, want in files.items():
             try:
-                fs.get_file(f"{src}/{fname}", str(tmp / fname))
+                size = fs.info(f"{src}/{fname}")["size"]
             except FileNotFoundError:
                 raise Damaged(f"{fname} is missing") from None
+            if size != want["bytes"]:
+                raise Damaged(f"{fname} is {size} bytes, its marker says {want['bytes']}")
+            os.close(os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            fs.get_file(f"{src}/{fname}", str(tmp / fname))
             if (tmp / fname).stat().st_size != want["bytes"] or sha256(tmp / fname) != want["sha256"]:
                 raise Damaged(f"{fname} differs from its marker")
             fsync(tmp / fname)
