@@ -272,6 +272,25 @@ def rng_state():
     return state
 
 
+def rng_to_json(state):
+    """rng_state() as JSON values: a memory snapshot's record is read back, and a peer's RNG is sent
+    (common.dist.gather_json), without unpickling anything."""
+    version, words, gauss = state["python"]
+    out = {"python": [version, list(words), gauss], "torch": state["torch"].numpy().tobytes().hex()}
+    if "cuda" in state:
+        out["cuda"] = [t.numpy().tobytes().hex() for t in state["cuda"]]
+    return out
+
+
+def rng_from_json(saved):
+    version, words, gauss = saved["python"]
+    state = {"python": (version, tuple(words), gauss),
+             "torch": torch.frombuffer(bytearray.fromhex(saved["torch"]), dtype=torch.uint8)}
+    if "cuda" in saved:
+        state["cuda"] = [torch.frombuffer(bytearray.fromhex(h), dtype=torch.uint8) for h in saved["cuda"]]
+    return state
+
+
 def set_rng_state(state):
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])

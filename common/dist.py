@@ -3,7 +3,6 @@ flag, the loss and a stop); collective timeouts; a lost peer in one line; teardo
 import contextlib
 import datetime
 import os
-import pickle
 import signal
 import socket
 import statistics
@@ -192,11 +191,14 @@ def oldest_wait_s():
         return time.monotonic() - min(_pending.values()) if _pending else 0.0
 
 
-def gather_objects(obj, group=None):
-    """Every rank's `obj` of `group` (default: the world), in rank order: dist.all_gather_object, its
-    waits interruptible. (Pickled: as trusted as all_gather_object's peers.)"""
+def gather_json(value, group=None):
+    """Every rank's `value` of `group` (default: the world), in rank order, its waits interruptible: JSON
+    text in a uint8 tensor, never a pickle, so that a process that got into the group (a rank's place
+    taken from the store, tiers/survivors.py) can send a wrong value but never run code here (json.loads
+    makes only dicts, lists, strings, numbers). Tuples come back as lists, dict keys as strings."""
+    import json
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     wait(dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group, async_op=True))
@@ -205,7 +207,7 @@ def gather_objects(obj, group=None):
     padded[:len(data)] = data
     out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     wait(dist.all_gather(out, padded, group=group, async_op=True))
-    return [pickle.loads(o[:int(n)].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
+    return [json.loads(o[:int(n)].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
 def agree(ok, device, group=None):

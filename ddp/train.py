@@ -38,13 +38,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, cpu_copy, keeping_settings, load_newest,
-                               newest_resume_problem, param_digest, refuse_unfit, restore_rng, rng_state, seed_rng,
-                               step_name)
+                               newest_resume_problem, param_digest, refuse_unfit, restore_rng, rng_from_json,
+                               rng_state, rng_to_json, seed_rng, step_name)
 from common.checkpointer import BaseCheckpointer, PendingSave
 from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, eval_batches
-from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, gather_objects,
+from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, gather_json,
                          peer_loss_in_one_line, print0, restarts, setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
@@ -201,7 +201,7 @@ class Checkpointer(BaseCheckpointer):
         a fast copy from the GPU), after which training may change the weights; the write pool then
         writes, fsyncs and renames the file."""
         t0 = time.perf_counter()
-        rngs = gather_objects(rng_state())  # every rank's RNG, saved by rank 0
+        rngs = [rng_from_json(r) for r in gather_json(rng_to_json(rng_state()))]  # every rank's, saved by rank 0
         pending = PendingSave(step, t0)
         if self.rank == 0:
             before_commit = self.faults.in_save(step) if self.faults else None
@@ -261,11 +261,12 @@ class Checkpointer(BaseCheckpointer):
         (falling back past torn ones) and every rank loads that same file, so no rank can resume from
         another step than the others."""
         cfg, rank, world = self.cfg, self.rank, self.world
-        chosen, state, t0 = [None], None, time.perf_counter()
+        path, state, t0 = None, None, time.perf_counter()
         if rank == 0:
-            _, chosen[0], state = load_newest(self.ckpt_dir, read_checkpoint)
-        chosen = gather_objects(chosen[0])[:1]  # rank 0's
-        if chosen[0] is None:
+            _, path, state = load_newest(self.ckpt_dir, read_checkpoint)
+        sent = gather_json(str(path) if path else None)[0]  # rank 0's
+        path = Path(sent) if sent else None
+        if path is None:
             if checkpoints(self.ckpt_dir):  # never train fresh over checkpoints that exist but do not load
                 fail(f"no checkpoint in {self.ckpt_dir} loads (see above); remove the damaged ones or use another "
                      "--run-dir")
@@ -273,14 +274,14 @@ class Checkpointer(BaseCheckpointer):
             print0("no checkpoint, starting fresh")
             return None
         if state is None:
-            state = read_checkpoint(chosen[0])
-        refuse_unfit(state, cfg, chosen[0], FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
+            state = read_checkpoint(path)
+        refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
         self.model.load_state_dict(state["model"])
         keeping_settings(self.optimizer, lambda: self.optimizer.load_state_dict(state["optimizer"]))
         step = state["step"]
         if restore_rng(state["rng"], state["world_size"], cfg.seed, step, rank, world):
             print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
-        self.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(chosen[0]), source="disk")
+        self.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path), source="disk")
         print0(f"resuming from step {step}")
         return step
 

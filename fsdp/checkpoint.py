@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.torch_version import TorchVersion
 
 from common.checkpoint import (COMMIT_MARKER, atomic_save, checkpoints, fsync_dir, keeping_settings, move_aside,
-                               refuse_unfit, remove, restore_rng, rng_state, seed_rng, step_name)
+                               refuse_unfit, remove, restore_rng, rng_from_json, rng_state, rng_to_json, seed_rng,
+                               step_name)
 from common.checkpointer import BaseCheckpointer
 from common.config import fail
-from common.dist import PEER_LOST, agree, gather_objects, print0
+from common.dist import PEER_LOST, agree, gather_json, print0
 from common.model import SHAPE_FIELDS
 
 # The layout of a ckpt/step-NNNNNNNN/ folder (Checkpointer.write): DCP's shards of "model" and
@@ -163,7 +164,8 @@ class Checkpointer(BaseCheckpointer):
         step = None
         # Rank 0 lists the committed checkpoints, newest first, for everyone; all ranks try each in
         # turn and move on together, so they never load different steps.
-        candidates = gather_objects([path for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None)[:1]
+        candidates = [[Path(p) for p in paths] if paths is not None else None for paths in gather_json(
+            [str(path) for _, path in checkpoints(self.ckpt_dir)] if rank == 0 else None)[:1]]
         path, train_pt, load_s, unreadable = keeping_settings(self.optimizer, lambda: load_newest_everywhere(
             candidates[0], self.model, self.optimizer, self.device, self.monitor))
         if candidates[0] and train_pt is None:  # never train fresh over checkpoints that exist but do not load
@@ -203,8 +205,7 @@ class Writer(dcp.FileSystemWriter):
         self.train_pt, self.rng, self.group, self.before_commit = train_pt, rng, group, before_commit
 
     def prepare_local_plan(self, plan):
-        rngs = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
-        dist.gather_object(self.rng, rngs, dst=0, group=self.group)
+        rngs = [rng_from_json(r) for r in gather_json(rng_to_json(self.rng), self.group)]
         self.train_pt = {**self.train_pt, "rng": rngs}
         return super().prepare_local_plan(plan)
 

@@ -57,8 +57,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from common.checkpoint import atomic_write, checkpoints, resume_problem, rng_state, set_rng_state
-from common.dist import PEER_LOST, agree, gather_objects, print0, wait
+from common.checkpoint import (atomic_write, checkpoints, resume_problem, rng_from_json, rng_state, rng_to_json,
+                               set_rng_state)
+from common.dist import PEER_LOST, agree, gather_json, print0, wait
 from common.model import SHAPE_FIELDS
 
 FORMAT = 2  # the layout of a record (written below, read in `load`); 2: its checksum covers its layout
@@ -109,13 +110,13 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
     folder = folder_of(cfg)
     # made here (it may have been made by another since the check)
-    problems = gather_objects(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
-                              "folder)")
+    problems = gather_json(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
+                           "folder)")
     bad = next((r for r, problem in enumerate(problems) if problem), None)
     if bad is not None:
         print0(f"memory tier off: rank {bad}: {problems[bad]}")
         return None
-    ids = gather_objects(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
+    ids = gather_json(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     replica = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
@@ -234,24 +235,6 @@ def local_tensors(state):
     return found
 
 
-def rng_to_json(state):
-    """common.checkpoint.rng_state() as JSON values (a record is read back without unpickling anything)."""
-    version, words, gauss = state["python"]
-    out = {"python": [version, list(words), gauss], "torch": state["torch"].numpy().tobytes().hex()}
-    if "cuda" in state:
-        out["cuda"] = [t.numpy().tobytes().hex() for t in state["cuda"]]
-    return out
-
-
-def rng_from_json(saved):
-    version, words, gauss = saved["python"]
-    state = {"python": (version, tuple(words), gauss),
-             "torch": torch.frombuffer(bytearray.fromhex(saved["torch"]), dtype=torch.uint8)}
-    if "cuda" in saved:
-        state["cuda"] = [torch.frombuffer(bytearray.fromhex(h), dtype=torch.uint8) for h in saved["cuda"]]
-    return state
-
-
 def layout(tensors):
     """[(name, dtype, shape, offset)] of `tensors` in a .bin, and its size in bytes."""
     entries, offset = [], 0
@@ -312,6 +295,15 @@ class Held:
 
     def usable(self):
         return {step for step, problem in self.own.items() if problem is None}
+
+    def to_json(self):
+        return {"own": list(self.own.items()), "kept": list(self.kept.items())}
+
+    @staticmethod
+    def from_json(sent):
+        """A peer's Held, as gather_json brought it (its numbers made integers again)."""
+        return Held({int(step): problem for step, problem in sent["own"]},
+                    {int(source): [int(step) for step in steps] for source, steps in sent["kept"]})
 
 
 class Snapshots:
@@ -530,7 +522,8 @@ class Snapshots:
         needy = [r for r in range(world) if step not in everyone[r].usable()]
         if needy:  # a replaced node's ranks: their records from the replicas, their state from peers
             replicas = self.replica.records() if self.replica else {}
-            offers = gather_objects({r: replicas[r][step] for r in needy if step in replicas.get(r, {})}, group)
+            offers = [{int(r): record for r, record in offer.items()} for offer in gather_json(
+                {r: replicas[r][step] for r in needy if step in replicas.get(r, {})}, group)]
             holder = {r: h for h, offer in enumerate(offers) for r in offer}
             if rank in needy:
                 record = offers[holder[rank]][rank]
@@ -560,8 +553,8 @@ class Snapshots:
         restored, or None (with a line saying why, if there was a snapshot) for the caller to load from
         disk. One collective over the world group gathers what each rank holds; the ranks then try each
         step that all of them can restore, newest first, and load the same step or all fall back."""
-        everyone = gather_objects((self.held(), disk_step))
-        held = [h for h, _ in everyone]
+        everyone = gather_json((self.held().to_json(), disk_step))
+        held = [Held.from_json(h) for h, _ in everyone]
         steps, why = candidates(held, everyone[0][1], self.replica.mode if self.replica else None)
         if why:
             print0(why)
