@@ -76,6 +76,16 @@ SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 PREEMPTED = 143  # common.dist.PREEMPTED, copied: common.dist imports torch, which only --preflight loads here
 
 
+def dies_with_parent(cmd, number):
+    """`cmd`, started so that the kernel sends it the signal `number` when this process dies (PR_SET_PDEATHSIG,
+    which lasts through exec), set by the child itself before it execs `cmd`: between fork and exec
+    (preexec_fn) is unsafe in a process with threads. A child whose parent died first never starts."""
+    start = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "
+             "os.getppid() == int(sys.argv[2]) or sys.exit(1); os.execv(sys.argv[3], sys.argv[3:])")
+    return [sys.executable, "-c", start, str(int(number)), str(os.getpid()), *map(str, cmd)]
+
+
+
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
              is_host=None, node_rank=None, rdzv_conf=None, grace_s=None):
     """(command, environment) running `script [--run-dir run_dir] flags` under torchrun. One node's
@@ -86,6 +96,7 @@ def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, en
     that one). `grace_s`: the seconds torchrun gives the workers between the signal it passes on and its
     SIGKILL (default 30; where this torch's torchrun can change it). The environment names a fresh
     stop file (exit_code() reads it)."""
+    nnodes = "1" if str(nnodes).rpartition(":")[2] == "1" else nnodes  # 1:1 is one node: its rendezvous private too
     conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
     if str(nnodes) == "1":
@@ -322,8 +333,11 @@ def supervise(script, nproc, flags, spares, fence_s):
     supervisor = Supervisor([sys.executable, str(REPO / script), *map(str, flags)], env, nproc, spares,
                             int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE], int(node or 0),
                             int(nnodes), endpoint)
+    private = ("; the job's store in a network namespace of its own" if supervisor.netns is not None else
+               f"; the job's store on 127.0.0.1, where any local user can reach it ({supervisor.exposed})"
+               if supervisor.exposed else "")
     print(f"run.sh: survivors keep running: {nproc} processes and {spares} spares"
-          f"{f' on node {node} of {nnodes}' if nnodes != '1' else ''}, each replaced alone",
+          f"{f' on node {node} of {nnodes}' if nnodes != '1' else ''}, each replaced alone{private}",
           file=sys.stderr, flush=True)
     code = exit_code(supervisor.run(), env)
     sys.exit(PREEMPTED if supervisor.signalled and code not in (0, 2, 3) else code)
@@ -337,6 +351,7 @@ def main(argv):
     checked = argv[:1] == ["--preflight"]
     script, nproc, *flags = argv[1:] if checked else argv
     nnodes = os.environ.get("NNODES") or "1"
+    nnodes = "1" if nnodes.rpartition(":")[2] == "1" else nnodes  # (1:1: one node)
     run_dir = None
     endpoint = os.environ.get("RDZV_ENDPOINT") or "localhost:0"
     if checked:  # an elastic job is checked at every world size from MIN to MAX nodes
@@ -362,8 +377,9 @@ def main(argv):
                         endpoint=endpoint,
                         rdzv_id=os.environ.get("RDZV_ID") or Path(script).parent.name,
                         rdzv_conf=os.environ.get("RDZV_CONF"), grace_s=grace_s)
-    # torchrun in a session of its own: a terminal's Ctrl-C reaches it once, through here.
-    proc, signalled = subprocess.Popen(cmd, env=env, start_new_session=True), []
+    # torchrun in a session of its own: a terminal's Ctrl-C reaches it once, through here; and SIGTERM,
+    # the kernel's, if this process dies first (a SIGKILL): its workers then save and stop, as when preempted.
+    proc, signalled = subprocess.Popen(dies_with_parent(cmd, signal.SIGTERM), env=env, start_new_session=True), []
 
     def pass_on(number, _):
         signalled.append(number)

@@ -2,7 +2,6 @@
 store's keys): the node's processes, each started again alone when it dies, a fence for a frozen one, the beats
 of the nodes, and on node 0 the job's store. Runs in the launcher (harness/launch.py), never in a worker."""
 import contextlib
-import ctypes
 import datetime
 import os
 import signal
@@ -10,7 +9,9 @@ import socket
 import subprocess
 import time
 
-from tiers.survivors import FIRST_RANK, NCCL_SETTINGS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD
+from harness.launch import dies_with_parent
+from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD, claim_of,
+                             in_network_namespace, vacancy_of)
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
 STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
@@ -29,11 +30,6 @@ def serve_store(host, port=0, timeout_s=300):
     store = dist.TCPStore(address[0], port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           master_listen_fd=listener.detach(), wait_for_workers=False)
     return store, port
-
-
-def _die_with_parent():
-    """In a worker, before exec: the kernel SIGKILLs it when the supervisor dies (no orphan trains on)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class StoreLost(Exception):
@@ -56,12 +52,24 @@ class Supervisor:
         self.node, self.nnodes = node, nnodes
         self.max_restarts, self.fence_s, self.stop_file = max_restarts, fence_s, stop_file
         host, port = endpoint.rsplit(":", 1) if endpoint else ("127.0.0.1", 0)
-        if node == 0:
+        self.netns, self.exposed = None, None  # the store's private network namespace (an fd); or why not
+        if node == 0 and nnodes == 1:  # only the job's processes reach it: they inherit the namespace's fd
+            try:
+                (self.store, port), self.netns = in_network_namespace(lambda: serve_store(host))
+            except OSError as e:
+                self.exposed = f"{e.strerror}: a network namespace of its own needs root"
+        if node == 0 and self.netns is None:
             self.store, port = serve_store(host, int(port))
+        if node == 0:
             self.store.add("gen", 0)
             self.store.add("vacancies", 0)
         else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
-            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+            print(f"supervisor: node {node} waits up to 300 s for node 0's store at {host}:{port}", flush=True)
+            try:
+                self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+            except (RuntimeError, dist.DistError) as e:
+                raise SystemExit(f"supervisor: node 0's store at {host}:{port} did not answer in 300 s "
+                                 f"({str(e).strip()[:80]}): start node 0, then this node again") from None
         self.address = f"{host}:{port}"
         self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
         self.own = range(node * STRIDE, node * STRIDE + self.slots)  # this node's slots, in the job's numbering
@@ -72,6 +80,9 @@ class Supervisor:
         self.watch = None  # (the current generation, when it was first seen)
         self.stopped_since = {}  # slot -> when its process was first seen stopped
         self.beats = {}  # node 0: node -> (its incarnation, its beat, when that beat was first seen)
+        self.forming = None  # (a generation not formed yet that some rank is ready for, since when)
+        self.ignored = set()  # the store's keys whose values are not this job's (each said once)
+        self.bogus = {}  # rank -> its vacancy's node, for the ranks claimed by no process of the job (owners)
 
     def start(self, slot):
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
@@ -81,19 +92,48 @@ class Supervisor:
         local = slot - self.own.start
         first = local < self.nproc and self.restarts[slot] == 0 and self.incarnation == 1
         env = {**threads, **self.env, STORE: self.address, SLOT: str(slot), WORLD: str(self.world),
+               **({NETNS: str(self.netns)} if self.netns is not None else {}),
                SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
-        self.procs[slot] = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        # SIGKILLed by the kernel if the supervisor dies: no orphan trains on.
+        self.procs[slot] = subprocess.Popen(dies_with_parent(self.cmd, signal.SIGKILL), env=env, start_new_session=True,
+                                            pass_fds=() if self.netns is None else (self.netns,))
 
     def owners(self):
         """{rank: the slot that holds it now (None: no process yet)}: the first launch's, then each
-        vacancy's claimant."""
+        vacancy's claimant. The store takes any client's word, so a value that is not this job's is
+        ignored (said once): a vacancy that is no vacancy, a claim that names no slot; and a claim of one
+        of this node's slots by a pid that is not the slot's process, or of a slot this node does not
+        run, leaves its rank to nobody (self.bogus: the fence posts it again)."""
         owner = {r: r // self.nproc * STRIDE + r % self.nproc for r in range(self.world)}
+        last = {}  # rank -> (its newest vacancy, that vacancy's claim)
         for n in range(1, self.store.add("vacancies", 0) + 1):
-            rank = int(self.store.get(f"vacancy/{n}").decode().split()[0])
-            owner[rank] = int(self.store.get(f"claim/{n}").split()[0]) if self.store.check([f"claim/{n}"]) else None
+            if not self.store.check([f"vacancy/{n}"]):  # counted, not yet written (a supervisor writes it next)
+                continue
+            vacancy = vacancy_of(self.store.get(f"vacancy/{n}"), self.world, self.nnodes)
+            if vacancy is None:
+                self.ignore(f"vacancy/{n}")
+                continue
+            claim = claim_of(self.store.get(f"claim/{n}"), self.nnodes) if self.store.check([f"claim/{n}"]) else ()
+            if claim is None:
+                self.ignore(f"claim/{n}")
+            last[vacancy[0]] = (n, vacancy, claim)
+            owner[vacancy[0]] = claim[0] if claim else None
+        self.bogus = {}
+        for rank, (n, vacancy, claim) in last.items():
+            theirs = bool(claim) and claim[0] // STRIDE == self.node and (
+                claim[0] not in self.own or claim[1] != getattr(self.procs.get(claim[0]), "pid", None))
+            if theirs or claim is None and self.node == 0:
+                self.ignore(f"claim/{n}")
+                self.bogus[rank] = vacancy[2]
+                owner[rank] = None
         return owner
+
+    def ignore(self, key):
+        if key not in self.ignored:
+            self.ignored.add(key)
+            print(f"supervisor: {key} in the job's store is not this job's: ignored", flush=True)
 
     def holder(self, slot):
         """The rank `slot` holds now (None: a spare's slot, or a lost node's)."""
@@ -115,24 +155,31 @@ class Supervisor:
         """The processes of `slots` are gone: the ranks they held go to the next generation's newcomers,
         of this node (a spare, or a restart), or of any node (`node` "any": a node lost). One generation
         for them all: the group re-forms once."""
-        ranks = {slot: rank for rank, slot in self.owners().items() if slot in slots}
+        self.post({rank: (f"slot {slot}", node or self.node) for rank, slot in self.owners().items() if slot in slots},
+                  why)
+
+    def post(self, ranks, why):
+        """Post `ranks` ({rank: (who held it, the node its newcomer is of: a number or "any")}) as vacancies
+        of one new generation."""
         if not ranks:
             return
         # Every survivor's watcher hears it now (tiers/survivors.py, Team.watch), not only the dead rank's neighbours.
-        self.store.compare_set(f"g{self.store.add('gen', 0)}/abort", "", f"rank {min(ranks.values())} {why}")
+        self.store.compare_set(f"g{self.store.add('gen', 0)}/abort", "", f"rank {min(ranks)} {why}")
         gen = self.store.add("gen", 1)
-        for slot, rank in ranks.items():
+        for rank, (held, node) in ranks.items():
             n = self.store.add("vacancies", 1)
-            self.store.set(f"vacancy/{n}", f"{rank} {gen} {node or self.node}")
-            print(f"supervisor: rank {rank} (slot {slot}) {why}: generation {gen}, its place to the next process "
+            self.store.set(f"vacancy/{n}", f"{rank} {gen} {node}")
+            print(f"supervisor: rank {rank} ({held}) {why}: generation {gen}, its place to the next process "
                   f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
 
     def fence(self):
         """Kill (fence) the processes that hold the job up, so that the supervisor replaces them: one
         stopped (SIGSTOP) for stop_bound(), whatever its peers wait in; and, once a survivor has reported
         a loss and no process died for 2 fence_s, the ranks of this node that reported none (frozen
-        otherwise: a deadlock). Node 0 also gives away the ranks of a node found silent, and starts the
-        next generation when every rank reported a loss and none died (a false alarm)."""
+        otherwise: a deadlock); and those that did not join a generation others joined (join_deadline).
+        A rank claimed by no process of the job is posted again. Node 0 also gives away the ranks of a
+        node found silent, and starts the next generation when every rank reported a loss and none died
+        (a false alarm)."""
         gen, now = self.store.add("gen", 0), time.monotonic()
         for slot in self.own:
             if not self.stopped(slot):
@@ -142,6 +189,12 @@ class Supervisor:
                 self.stopped_since.pop(slot)
         if self.node == 0:
             self.find_lost_nodes(gen, now)
+        self.owners()
+        if self.bogus:  # claimed in the store by no process of the job: nobody would ever take them
+            self.post({rank: ("claimed by no process of the job", node) for rank, node in self.bogus.items()},
+                      "posted again")
+            return
+        self.join_deadline(gen, now)
         reports = self.store.add(f"g{gen}/lost", 0)
         if reports == 0:
             return
@@ -163,6 +216,25 @@ class Supervisor:
             if slot is not None:
                 self.kill(slot, f"held up generation {gen} for {2 * self.fence_s:.0f} s")
         self.watch = (gen, now)  # the kill is seen as a death on the next round
+
+    def join_deadline(self, gen, now):
+        """A generation that some ranks are ready to form (g<gen>/member/<r>) and others not, for 2 fence_s:
+        this node's processes that hold the missing ranks are fenced, whatever their state (a newcomer
+        frozen after its claim, a survivor stuck on its way), and replaced. Not generation 0, whose
+        processes are all starting (a newcomer holds its rank only once it has started: its claim)."""
+        ready = [gen > 0 and self.store.check([f"g{gen}/member/{r}"]) for r in range(self.world)]
+        if all(ready) or not any(ready):
+            self.forming = None
+            return
+        if self.forming is None or self.forming[0] != gen:
+            self.forming = (gen, now)
+            return
+        if now - self.forming[1] >= 2 * self.fence_s:
+            for rank in (r for r in range(self.world) if not ready[r]):
+                slot = self.slot_of(rank)
+                if slot is not None:
+                    self.kill(slot, f"did not join generation {gen} in {2 * self.fence_s:.0f} s")
+            self.forming = (gen, now)
 
     def stop_bound(self, slot):
         """How long the process of `slot` may stay stopped before it is fenced: STOPPED_STEPS of its rank's
@@ -196,9 +268,10 @@ class Supervisor:
             self.procs[slot].kill()
 
     def end(self):
-        """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy)."""
+        """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy): any
+        value there wakes them, so never over another supervisor's vacancy."""
         self.store.set("end", "1")
-        self.store.set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "end")
+        self.store.compare_set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "", "end")
 
     def beat(self):
         """Say this node lives; raise StoreLost if node 0 is gone, and SystemExit if node 0 found this node
@@ -309,7 +382,9 @@ class Supervisor:
         return None
 
     def pass_on(self, number, _):
+        """A signal to the job goes on to every process; Ctrl-C (SIGINT) as SIGTERM, as torchrun's agent
+        passes it: the ranks save their step and end (exit 143), never a KeyboardInterrupt mid-step."""
         self.signalled.append(number)
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(number)
+                proc.send_signal(signal.SIGTERM if number == signal.SIGINT else number)

@@ -1,9 +1,12 @@
 """run.sh itself: it uses the machine's torch, installs only what a mode lacks, and checks elastic jobs."""
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +102,51 @@ def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigk
     # torch 2.14's torchrun has the flag, 2.11's does not (its agent waits 30 s, always).
     assert ("--shutdown-timeout=44" in cmd) == launch.has_shutdown_timeout()
     assert launch.exit_code(0, env) == 0  # no worker left a stop's code
+
+
+def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
+    # SIGKILL to the launcher run.sh runs (torchrun mode): the kernel sends torchrun SIGTERM, which its
+    # workers take as a preemption: they save their step and end, and nothing is left holding the run
+    # folder. NNODES=1:1 (elastic, one node) is one node: everything it listens on is on the loopback.
+    from conftest import LOOPBACK, SMALL, listening, wait_for_step
+    run = tmp_path / "run"
+    cmd = ["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(run), *SMALL, "--steps", "100000",
+           "--save-every", "100000"]
+    proc, tree = launch.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
+    try:
+        assert wait_for_step(run, 5, proc), "the job ended before step 5"
+        sockets = listening(proc.pid)
+        assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3, tree  # torchrun and its 2 workers
+        proc.kill()
+        deadline = time.monotonic() + 60
+        while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in tree if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
+    finally:  # whatever is left, killed (the launcher's process group, and torchrun's session)
+        for pid in {proc.pid, *tree, *descendants(proc.pid)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    assert not left, left
+    log = (tmp_path / "job.log").read_text()
+    assert "preempted (SIGTERM or SIGUSR1): step" in log and "saved, exiting for a restart" in log, log[-3000:]
+
+
+def descendants(root):
+    """The pids below process `root`."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, more = set(), {root}
+    while more:
+        more = {pid for pid, parent in parents.items() if parent in more} - found
+        found |= more
+    return found
+
+
+def zombie(pid):
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True

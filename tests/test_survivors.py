@@ -5,27 +5,67 @@ import io
 import os
 import re
 import signal
+import socket
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
                       torchrun, wait_for_step)
 from harness import launch
+from tiers.survivors import HANG_AT_CLAIM, PROCESS_BYTES, available_memory
 
 SCRIPT = "ddp/train.py"
 
 
-def survivors_run(run_dir, *flags, nproc=2, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None):
+def survivors_run(run_dir, *flags, nproc=2, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None,
+                  env=None):
     """A --survivors job of `nproc` ranks; returns its output, after checking that it exited 0 with no Traceback.
     `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs."""
-    cmd, env = launch.survivors_job(script, nproc, run_dir, flags, spares)
-    proc = launch.start(wrap(cmd) if wrap else cmd, env, run_dir / "job.log")
+    cmd, job_env = launch.survivors_job(script, nproc, run_dir, flags, spares)
+    proc = launch.start(wrap(cmd) if wrap else cmd, {**job_env, **(env or {})}, run_dir / "job.log")
     if while_running:
         while_running(proc)
     code, output, hung = launch.finish(proc, time.time() + timeout)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
     return output
+
+
+def store_of(pid):
+    """((host, port), the namespace's fd or None) of the job's store, as the worker `pid` was given them."""
+    env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    host, port = env["FT_STORE"].rsplit(":", 1)
+    return (host, int(port)), env.get("FT_STORE_NETNS")
+
+
+def reaches(address, uid=None):
+    """Whether a process of this machine (of user `uid`, when given) connects to `address`: a child forked
+    from this one, outside the job's namespaces, that tries."""
+    child = os.fork()
+    if child == 0:
+        try:
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            socket.create_connection(address, timeout=2).close()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(child, 0)[1] == 0
+
+
+def as_the_job(pid, nsfd, address):
+    """A client of the job's store, made in its namespace (as root, through the worker `pid`'s fd)."""
+    from tiers.survivors import in_network_namespace
+    fd = os.open(f"/proc/{pid}/fd/{nsfd}", os.O_RDONLY)
+    try:
+        return in_network_namespace(lambda: TCPStore(*address, is_master=False, timeout=timedelta(seconds=10)), fd)[0]
+    finally:
+        os.close(fd)
 
 
 def process_story(run_dir, rank):
@@ -40,7 +80,8 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
     # step 70 rank 3 SIGSTOPped, each while the others wait in collectives with one another, not with
     # it: they hear of it from the job's store (the supervisor's abort), not from a timeout. Meanwhile
     # the job on one machine listens on the loopback only, even where the host's name resolves to its
-    # network address.
+    # network address, and its store in a network namespace of its own: no other user (nobody, 65534),
+    # nor root outside the job, can connect to it.
     flags = [*SMALL, *DROPOUT, "--steps", "100", "--save-every", "50", "--hang-timeout-s", 3]
     reference = tmp_path / "reference"
     torchrun(SCRIPT, 4, reference, *flags)
@@ -50,12 +91,17 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
         assert wait_for_step(run, 10, proc), "the job ended before step 10: the pause never came"
         sockets = listening(proc.pid)
         assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
+        store, nsfd = store_of(metrics(run, 0, "start")[-1]["pid"])
+        assert nsfd is not None and store[1] not in {port for _, port in sockets}
+        assert not reaches(store, uid=65534) and not reaches(store)
+        assert as_the_job(metrics(run, 0, "start")[-1]["pid"], nsfd, store).check(["vacancies"])  # the job's own do
         for step, rank, number in ((40, 2, signal.SIGKILL), (70, 3, signal.SIGSTOP)):
             assert wait_for_step(run, step, proc), f"the job ended before step {step}: rank {rank} never faulted"
             os.kill(metrics(run, rank, "start")[-1]["pid"], number)
     output = survivors_run(run, *flags, "--pause-at-step", 10, "--crash-rank", 1, nproc=4, spares=1,
                            wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=faults)
     assert "injected pause: rank 1 after step 10" in output
+    assert "the job's store in a network namespace of its own" in output
     assert "generation 0 failed with no process lost (a false alarm" in output
     assert "supervisor: rank 2 (slot 2) killed by signal 9: generation 2" in output
     stopped = re.search(r"supervisor: rank 3 \(slot 3\) stopped for ([\d.]+) s: frozen, killed", output)
@@ -73,11 +119,44 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
+def test_what_the_store_says_is_checked_a_bogus_claim_is_posted_again_and_a_claimant_that_never_joins_fenced(
+        tmp_path, ddp_long_reference):
+    # Written into the job's store after step 10, as a process that got into it could (root here,
+    # through the job's namespace): vacancy 1, which is no vacancy (it crashed the supervisor: a
+    # traceback), and vacancy 2 claimed in advance for slot 0 by pid 1, no process of the job. After step
+    # 30 rank 1 is SIGKILLed: its vacancy 2 went to nobody (no bound). It is posted again as vacancy 3,
+    # whose claimant, the spare, then hangs (a fault: not stopped, so only the missing join shows it):
+    # it is fenced within 2 --hang-timeout-s, and the restarted slot 1 takes the rank. Each is one line;
+    # the job ends with the untouched job's weights.
+    run = tmp_path / "run"
+
+    def writes(proc):
+        assert wait_for_step(run, 10, proc), "the job ended before step 10"
+        address, nsfd = store_of(metrics(run, 0, "start")[-1]["pid"])
+        store = as_the_job(metrics(run, 0, "start")[-1]["pid"], nsfd, address)
+        assert store.add("vacancies", 1) == 1
+        store.set("vacancy/1", "x y z")
+        store.compare_set("claim/2", "", "0 1")
+        assert wait_for_step(run, 30, proc), "the job ended before step 30"
+        os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)
+    output = survivors_run(run, *LONG, "--hang-timeout-s", 2, spares=1, while_running=writes, env={HANG_AT_CLAIM: "3"})
+    assert "supervisor: vacancy/1 in the job's store is not this job's: ignored" in output
+    assert "slot 2: vacancy/1 in the job's store is not a vacancy: ignored" in output
+    assert "supervisor: claim/2 in the job's store is not this job's: ignored" in output
+    assert re.search(r"supervisor: rank 1 \(claimed by no process of the job\) posted again: generation \d+", output)
+    assert "fault injection: slot 2 hangs after it claimed vacancy 3" in output
+    assert re.search(r"supervisor: rank 1 \(slot 2\) did not join generation \d+ in 4 s: frozen, killed", output), \
+        output[-3000:]
+    assert "slot 1 (pid" in output and "takes rank 1" in output.split("did not join generation")[1]
+    assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--spares", 1], "--spares needs --survivors"),
     (["--survivors", "--spares", -1], "--spares must be >= 0"),
-    (["--survivors", "--spares", 100000, "--dim", 1024, "--layers", 24, "--heads", 16],
-     "processes need about"),
+    (["--survivors", "--spares", 1000], "1001 processes on a node, at most 1000 (a node's slots)"),
+    # Each spare a whole process, torch's memory included: more than this node holds, whatever it holds.
+    (["--survivors", "--spares", min(998, 2 * available_memory() // PROCESS_BYTES)], "processes need about"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_one_line(flags, message):
     assert message in refused(SCRIPT, *flags)

@@ -6,8 +6,12 @@ from the newest step that every rank can restore (the memory tier). Imported onl
 torchrun's agent stops all of its workers when one fails, and with its c10d rendezvous every node
 restarts too. Here the launcher (harness/launch.py) runs a Supervisor (harness/supervisor.py) on each
 node instead of torchrun: one process per rank of the node plus --spares waiting ones, each restarted
-alone when it dies. Node 0's holds the job's store, which outlives every worker (on one node bound to the loopback; on several,
-to the address of RDZV_ENDPOINT). The store holds:
+alone when it dies. Node 0's holds the job's store, which outlives every worker: on one node, as root,
+in a network namespace of its own, which only the job's processes enter (in_network_namespace: no other
+process can connect; else on the loopback, said at start); on several, at the address of RDZV_ENDPOINT,
+where whoever reaches it is trusted with the job's control but never runs code in it: no pickle crosses
+a group (common.dist.gather_json), and every value read from the store is checked (vacancy_of,
+claim_of; one that is not the job's is ignored, in one line). The store holds:
     gen                 the generation: a supervisor adds one for each rank it finds dead
     vacancy/<n>         "<rank> <gen> <node>": the n-th rank left by a dead process, for a process of
                         that node, or of any ("any": its node was lost) (count: vacancies)
@@ -36,7 +40,9 @@ watcher ends, and keep the broken group until its timeout. A generation every ra
 nobody dead (a pause, a slow link) is a false alarm: the same processes form the next. A frozen rank
 never dies: the supervisor kills a process stopped for STOPPED_STEPS of its steps (at least
 STOPPED_FLOOR_S), and, once a survivor has reported a loss, whichever rank has not reported one within
-twice --hang-timeout-s (a fence: a stale process can never come back), and replaces it. A node lost
+twice --hang-timeout-s, or, once a rank is ready for a generation, whichever has not joined it within as
+long (a fence: a stale process can never come back), and replaces it. A rank that a claim gives to no
+process of the job (a claim another client wrote) is posted again. A node lost
 whole (its supervisor silent for --hang-timeout-s once a survivor has reported a loss) leaves its ranks
 to spares of any node: node 0's supervisor posts them; the lost node's own supervisor, if it was only
 cut off, kills its processes.
@@ -52,11 +58,15 @@ import time
 from common.dist import interrupt, interrupted, resume_waits
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
+NETNS = "FT_STORE_NETNS"  # one node, as root: the fd of the network namespace the job's store listens in
 NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
 STRIDE = 1000  # slots of node k: k * STRIDE + 0, 1, ... (a node runs fewer processes)
+PROCESS_BYTES = 400 * 2**20  # a process's memory before its model: 421 MiB PSS (686 MiB RSS) measured, torch 2.14, CPU
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 BEAT_S = 0.1  # a rank's beat (beat/<rank>: its steps and its median step) every BEAT_S
+CLONE_NEWNET = 0x40000000  # (linux/sched.h)
+HANG_AT_CLAIM = "FT_HANG_AT_CLAIM"  # tests: the process that wins vacancy N hangs there (alive, never joins)
 # NCCL in this mode: only an abort (the watcher's) or the group's own timeout ends a collective; neither
 # the watchdog (after an error, a timeout: it would kill the process) nor the heartbeat monitor kills it.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
@@ -64,20 +74,23 @@ NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONI
 
 
 def layout_problems(cfg, params):
-    """[lines] on what keeps a --survivors job from starting: --spares alone, or more processes (ranks and
-    spares) than this node has GPUs (--device cuda) or memory for (each holds the model, its gradients and
-    AdamW's moments: 16 bytes a parameter, on the CPU)."""
+    """[lines] on what keeps a --survivors job from starting: --spares alone, more processes (ranks and
+    spares) than a node's slots (STRIDE), or than this node has GPUs (--device cuda) or memory for (each
+    holds torch itself, PROCESS_BYTES, and the model, its gradients and AdamW's moments: 16 bytes a
+    parameter, on the CPU)."""
     import torch
     if not cfg.survivors:
         return ["--spares needs --survivors"] if cfg.spares else []
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) + cfg.spares  # this node's
+    if processes > STRIDE:
+        return [f"--survivors --spares {cfg.spares}: {processes} processes on a node, at most {STRIDE} (a node's slots)"]
     if cfg.device == "cuda" and torch.cuda.device_count() < processes:
         return [f"--survivors --spares {cfg.spares}: {processes} processes need a GPU each, this node has "
                 f"{torch.cuda.device_count()}"]
-    need, free = processes * 16 * params, available_memory()
+    need, free = processes * (PROCESS_BYTES + 16 * params), available_memory()
     if cfg.device != "cuda" and free is not None and need > free:
         return [f"--survivors --spares {cfg.spares}: {processes} processes need about {need / 2**30:.1f} GiB of "
-                f"memory for the model's state, this node has {free / 2**30:.1f} GiB available"]
+                f"memory (torch's and the model's state), this node has {free / 2**30:.1f} GiB available"]
     return []
 
 
@@ -87,6 +100,71 @@ def available_memory():
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
+        return None
+
+
+# ----------------------------------------------------------------------------- the store: private, and never trusted
+def in_network_namespace(make, fd=None):
+    """(make(), the namespace's fd): make() called in a thread of its own that first joins the network
+    namespace `fd` (setns), or a new one (unshare, its loopback brought up) if `fd` is None. A thread's
+    network namespace is its own: the sockets make() opens stay in that namespace, where no process
+    outside it can connect, and the process's other sockets stay where they are. Both need root
+    (CAP_SYS_ADMIN): OSError otherwise."""
+    import ctypes
+    import fcntl
+    import socket
+    import struct
+    done = {}
+
+    def run():
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            if (libc.setns(fd, CLONE_NEWNET) if fd is not None else libc.unshare(CLONE_NEWNET)) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            if fd is None:  # a new namespace's loopback is down: SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]
+                    fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))
+            done["value"] = (make(), fd if fd is not None else os.open("/proc/thread-self/ns/net", os.O_RDONLY))
+        except BaseException as e:
+            done["error"] = e
+    thread = threading.Thread(target=run, name="survivors-netns")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
+def connect(timeout_s):
+    """A client of the job's store (FT_STORE), its socket made in the store's network namespace where
+    the supervisor made one (FT_STORE_NETNS: an fd that only the job's processes inherit)."""
+    import torch.distributed as dist
+    host, port = os.environ[STORE].rsplit(":", 1)
+
+    def client():
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return in_network_namespace(client, int(os.environ[NETNS]))[0] if NETNS in os.environ else client()
+
+
+def vacancy_of(value, world, nnodes):
+    """(rank, generation, node) of a vacancy/<n> value, "<rank> <gen> <node|any>"; None for anything else
+    (the store takes any client's word: a value that is not this job's is never acted on)."""
+    try:
+        rank, gen, node = value.decode().split()
+        assert 0 <= int(rank) < world and int(gen) >= 0 and (node == "any" or 0 <= int(node) < nnodes)
+        return int(rank), int(gen), node
+    except (ValueError, AssertionError, UnicodeDecodeError):
+        return None
+
+
+def claim_of(value, nnodes):
+    """(slot, pid) of a claim/<n> value, "<slot> <pid>", for a slot of the job's nodes; None otherwise."""
+    try:
+        slot, pid = (int(x) for x in value.decode().split())
+        assert 0 <= slot < nnodes * STRIDE and pid > 0
+        return slot, pid
+    except (ValueError, AssertionError, UnicodeDecodeError):
         return None
 
 
@@ -107,12 +185,10 @@ class Team:
     forms with the others."""
 
     def __init__(self, timeout_s, hang_timeout_s):
-        import torch.distributed as dist
         from common.config import fail
         if STORE not in os.environ:
             fail("--survivors runs under run.sh (python -m harness.launch), which supervises the processes")
-        host, port = os.environ[STORE].rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = connect(timeout_s)
         self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])
         self.nproc = int(os.environ[NPROC])
         self.node, self.local_slot = divmod(self.slot, STRIDE)
@@ -149,24 +225,35 @@ class Team:
         return self.rank, self.world, device
 
     def take_vacancy(self):
-        """The rank of the oldest vacancy for this node (or any) that this slot wins, waiting for one; None
-        once the job has ended."""
+        """The rank of the oldest vacancy for this node (or any) that this slot wins, waiting for one (a
+        wake-up at least every --timeout-s); None once the job has ended."""
         import torch.distributed as dist
         while True:
             count = self.store.add("vacancies", 0)
             while self.seen < count:
                 self.seen += 1
-                rank, _, node = self.store.get(f"vacancy/{self.seen}").decode().split()
+                try:
+                    vacancy = vacancy_of(self.store.get(f"vacancy/{self.seen}"), self.world, self.world // self.nproc)
+                except dist.DistStoreError:  # counted but never written (not by a supervisor: it writes at once)
+                    vacancy = None
+                if vacancy is None:
+                    print(f"slot {self.slot}: vacancy/{self.seen} in the job's store is not a vacancy: ignored",
+                          flush=True)
+                    continue
+                rank, _, node = vacancy
                 if node not in (str(self.node), "any"):  # a rank of another node: its spares' or its restart's
                     continue
                 me = f"{self.slot} {os.getpid()}"  # this process, not its slot: a restarted one is another
                 if self.store.compare_set(f"claim/{self.seen}", "", me).decode() == me:
+                    if os.environ.get(HANG_AT_CLAIM) == str(self.seen):
+                        print(f"fault injection: slot {self.slot} hangs after it claimed vacancy {self.seen}", flush=True)
+                        threading.Event().wait()
                     print(f"slot {self.slot} (pid {os.getpid()}): takes rank {rank}", flush=True)
-                    return int(rank)
+                    return rank
             if self.store.check(["end"]):
                 return None
             with contextlib.suppress(dist.DistStoreError):  # the store answers when the key is set (the end sets it too)
-                self.store.wait([f"vacancy/{self.seen + 1}"], datetime.timedelta(days=1))
+                self.store.wait([f"vacancy/{self.seen + 1}"], datetime.timedelta(seconds=self.timeout_s))
 
     def form(self, gen, device):
         """Form generation `gen` (None: the newest) with every rank: say this rank is ready, wait until all
@@ -212,8 +299,7 @@ class Team:
         ends the rest), so that every survivor recovers now, not only the dead rank's neighbours. Its
         own store client: one blocked in wait() stalls every other call on its client."""
         import torch.distributed as dist
-        host, port = os.environ[STORE].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        store = connect(self.timeout_s)
         while True:
             gen = self.gen
             try:  # every generation ends with its abort: a supervisor's, or a failed rank's (reform)
