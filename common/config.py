@@ -37,7 +37,7 @@ def _field_type(tp):
 def make_parser(cls, prog=None):
     helps = _field_help(cls)
     hints = typing.get_type_hints(cls)
-    p = Parser(prog=prog, description=(cls.__doc__ or "").strip(),
+    p = Parser(prog=prog, description=(cls.__doc__ or "").strip(), allow_abbrev=False,  # as harness/launch.py's
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -83,6 +83,9 @@ AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
 SEED = ("must be in [0, 2^32)", lambda v: 0 <= v < 2**32)  # the data's seeds are seed * 1_000_003 + step
 SECONDS = ("must be in (0, 604800] (a week)", lambda v: 0 < v <= 604800)  # a timedelta, a socket timeout
 HOURS = ("must be in (0, 1e6] (a century)", lambda v: 0 < v <= 1e6)  # squared and divided: a finite interval
+HANG = ("must be in [1, 604800] (a second to a week)", lambda v: 1 <= v <= 604800)  # below, a slow step is a hang
+# Flags that do nothing without another: (the flag, the one it needs, its value when not given).
+NEEDS = [("light_keep", "light_every", 2)]
 # The fields every script's Config has (its RANGES adds its own).
 SHARED_RANGES = {
     "steps": POSITIVE, "save_every": NON_NEGATIVE, "keep": POSITIVE, "seed": SEED, "batch_size": POSITIVE,
@@ -107,6 +110,8 @@ def flag_problems(cfg, data_ranks, ranges):
     problems = range_problems(cfg, ranges)
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
                  for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
+    problems += [f"--{flag.replace('_', '-')} does nothing without --{needed.replace('_', '-')}" for flag, needed, alone
+                 in NEEDS if getattr(cfg, flag, alone) != alone and not getattr(cfg, needed, None)]
     if not problems and cfg.batch_size % data_ranks:
         problems.append(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                         f"{data_ranks} ranks; it is kept fixed across world sizes so that a resume sees the "

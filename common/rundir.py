@@ -76,23 +76,26 @@ def run_dir_problems(run_dir, export=""):
     return []
 
 
-def ownership_problems(run_dir):
+def ownership_problems(run_dir, folders=()):
     """['--run-dir: ...'] (one line, the first problem and how many more) if another user could have
     written what a resume loads, else []. Loading a checkpoint unpickles it, so, as ssh treats a key
     file, the run folder, its ckpt/, each checkpoint there (step-NNNNNNNN.pt, step-NNNNNNNN/) and each
     file of a checkpoint folder must belong to this user (or root) and not be writable by group or
     others; a checkpoint is never a symbolic link. A user private group (see _private_group) may write.
-    What does not exist yet (a fresh run) is fine."""
+    `folders`: other folders of the run folder that the job writes into (a tier's: light/), held to the
+    same rule: another user must not replace what the job leaves there. What does not exist yet (a
+    fresh run) is fine."""
     run_dir, ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
     entries = [p for p in _listing(ckpt_dir) if _NAME.match(p.name)]
     inside = [f for p in entries if not p.is_symlink() for f in _listing(p)]
     # The run folder and ckpt/ are where the user pointed, through a link or not: their targets count.
-    found = [why for path, follow in [(run_dir, True), (ckpt_dir, True), *((p, False) for p in entries + inside)]
+    found = [why for path, follow in [(run_dir, True), (ckpt_dir, True), *((run_dir / f, False) for f in folders),
+                                      *((p, False) for p in entries + inside)]
              if (why := _written_by_others(path, follow))]
     if not found:
         return []
     more = f" (and {len(found) - 1} more like it)" if len(found) > 1 else ""
-    return [f"--run-dir: {found[0]}{more}; only checkpoints this user wrote are loaded"]
+    return [f"--run-dir: {found[0]}{more}; only what this user wrote is loaded or written into"]
 
 
 def _listing(folder):

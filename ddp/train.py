@@ -41,7 +41,7 @@ from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, cpu_
                                newest_resume_problem, param_digest, refuse_unfit, restore_rng, rng_from_json,
                                rng_state, rng_to_json, seed_rng, step_name)
 from common.checkpointer import BaseCheckpointer, PendingSave
-from common.config import (ANY_INT, AT_LEAST_ONE, HOURS, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail,
+from common.config import (ANY_INT, AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail,
                            flag_problems, parse_config)
 from common.data import StepData, eval_batches
 from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, gather_json,
@@ -109,7 +109,7 @@ class Config:
 # The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
 FAULTS = ("crash_at_step", "crash_in_save", "crash_in_snapshot", "freeze_at_step", "pause_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
-RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": SECONDS, "grad_accum": AT_LEAST_ONE,
+RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": HANG, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
           "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE, "crash_rank": ANY_INT,
           **dict.fromkeys(FAULTS, POSITIVE)}
@@ -122,7 +122,7 @@ def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES)
                 + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
-                + ownership_problems(cfg.run_dir))
+                + ownership_problems(cfg.run_dir, ["light"] if cfg.light_every else []))
     if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
         from tiers.tokens import data_problems
         problems += data_problems(cfg)

@@ -165,7 +165,8 @@ def bad_values(rule, kind):
     """Values outside a flag's declared range."""
     values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": [],
               "must be >= 1": [0.5, -1], "must be in [0, 2^32)": [-1, 2**32],
-              "must be in (0, 604800] (a week)": [0, 10**14], "must be in (0, 1e6] (a century)": [0, 1e308]}
+              "must be in (0, 604800] (a week)": [0, 10**14], "must be in (0, 1e6] (a century)": [0, 1e308],
+              "must be in [1, 604800] (a second to a week)": [0.001, 10**14]}
     out = values[rule[0]]
     return out + [float("nan"), float("inf")] if kind is float else out
 

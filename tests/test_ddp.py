@@ -206,6 +206,10 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(daly_job):
     (["--device", "cuda"], "--device cuda needs a GPU for each of this node's 1 ranks, found 0"),
     (["--seed", str(2**32)], "--seed must be in [0, 2^32), got 4294967296"),
     (["--timeout-s", str(10**14)], "--timeout-s must be in (0, 604800] (a week), got 100000000000000"),
+    # No abbreviation: harness/launch.py, which reads --survivors, --spares and --hang-timeout-s, takes none.
+    (["--surv"], "unrecognized arguments: --surv"),
+    (["--hang-timeout", "1"], "unrecognized arguments: --hang-timeout 1"),
+    (["--light-keep", "5"], "--light-keep does nothing without --light-every"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, monkeypatch):

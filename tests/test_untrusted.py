@@ -121,7 +121,7 @@ def test_a_run_folder_that_others_can_write_is_a_problem(tmp_path):
 
     os.chmod(step, 0o757)  # o+w: anyone could replace the files in it
     assert ownership_problems(run_dir) == [f"--run-dir: {step} is writable by others (drwxr-xrwx): chmod -R go-w "
-                                           f"{step}; only checkpoints this user wrote are loaded"]
+                                           f"{step}; only what this user wrote is loaded or written into"]
     os.chmod(step / "train.pt", 0o646)
     (problem,) = ownership_problems(run_dir)
     assert problem.startswith(f"--run-dir: {step} is writable by others") and "(and 1 more like it)" in problem
@@ -131,3 +131,29 @@ def test_a_run_folder_that_others_can_write_is_a_problem(tmp_path):
     (run_dir / "ckpt" / "step-00000008").symlink_to(step)
     (problem,) = ownership_problems(run_dir)
     assert "step-00000008 is a symbolic link" in problem
+
+
+def test_no_pickle_crosses_a_process_group():
+    # A process that gets into a group (a rank's place taken through the job's store) can send a wrong
+    # value, never run code: the scripts and tiers exchange JSON (common.dist.gather_json) or tensors,
+    # never torch's object collectives, which unpickle what a peer sends. (DCP's own planning, inside
+    # torch, still exchanges pickles among the ranks that save: the README says so; rpc/ps.py is RPC,
+    # which pickles by design.)
+    import ast
+    pickling = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                "send_object_list", "recv_object_list"}
+    found = []
+    for path in [*REPO.glob("common/*.py"), *REPO.glob("tiers/*.py"), REPO / "ddp/train.py", *REPO.glob("fsdp/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in pickling or isinstance(node, ast.Attribute) and node.attr == "loads" and \
+                    getattr(node.value, "id", None) == "pickle":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {name or 'pickle.loads'}")
+    assert not found, found
+
+
+def test_a_light_folder_that_others_can_write_is_a_problem_when_the_job_writes_there(tmp_path):
+    (tmp_path / "light").mkdir()
+    os.chmod(tmp_path / "light", 0o777)
+    assert ownership_problems(tmp_path) == []  # no --light-every: nothing is written there
+    assert "light is writable by others" in ownership_problems(tmp_path, ["light"])[0]
