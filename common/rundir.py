@@ -60,7 +60,7 @@ def writable(folder, create=True):
 def run_dir_problems(run_dir, export=""):
     """['--run-dir: ... is not a writable folder (why)'] if the run folder, its ckpt/ or the folder of
     the file --export names cannot take files, or its .lock is not a plain file, or --export names a
-    folder; else []."""
+    folder, or one that another user could replace the file in (writable by others, not sticky); else []."""
     lock = Path(run_dir) / ".lock"
     if lock.is_symlink() or (lock.exists() and not lock.is_file()):
         return [f"--run-dir: {lock} is not a plain file (a link or a folder): remove it"]
@@ -73,6 +73,9 @@ def run_dir_problems(run_dir, export=""):
         why = writable(folder, create)
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]
+    if export and (mode := os.stat(folders[-1][1]).st_mode) & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        return [f"--export: {folders[-1][1]} is writable by others ({stat.filemode(mode)}): another user could "
+                "replace the weights written there; name a folder of yours"]
     return []
 
 

@@ -253,7 +253,7 @@ def test_records_hold_nothing_that_runs_and_a_finished_job_removes_its_slots(tmp
 
 
 def test_the_tier_is_off_on_every_rank_when_one_has_no_dev_shm(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(snapshot, "default_dir", lambda run_dir: None)
+    monkeypatch.setattr(snapshot, "default_dir", lambda run_dir, run=None: None)
     cfg = types.SimpleNamespace(snapshot_every=1, snapshot_dir="", run_dir=str(tmp_path))
     assert snapshot.open_tier(cfg, tmp_path, None, None, range(0, 1), ()) is None
     assert "memory tier off: rank 0: no /dev/shm" in capsys.readouterr().out
@@ -272,3 +272,12 @@ def test_room_is_checked_before_training(tmp_path):
     assert snapshot.needed_bytes(1000, 4, 4, sharded=False) == 24_000
     assert snapshot.needed_bytes(1000, 4, 4, sharded=True) == 24_000
     assert snapshot.needed_bytes(1000, 8, 4, sharded=True) == 24_000 and snapshot.needed_bytes(1000, 8, 2, True) == 12_000
+
+
+def test_the_default_folder_is_named_after_the_runs_own_id_which_no_other_user_can_read(tmp_path):
+    # So no other user can make it first and block the run (its old name was a hash of the run's path).
+    (tmp_path / "ckpt").mkdir()
+    assert snapshot.default_dir(tmp_path) != snapshot.default_dir(tmp_path)  # no id yet: a name nobody made
+    run = snapshot.run_id(tmp_path / "ckpt")
+    assert snapshot.default_dir(tmp_path).name == f"snapshots-{os.getuid()}-{run[:16]}"
+    assert subprocess.run([*STRANGER, "cat", tmp_path / "ckpt" / "run-id"], capture_output=True).returncode != 0

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.rundir import ownership_problems
+from common.rundir import ownership_problems, run_dir_problems
 from fsdp.checkpoint import MetadataUnpickler, Planner, Reader
 from conftest import REPO, summary, torchrun
 
@@ -152,8 +152,14 @@ def test_no_pickle_crosses_a_process_group():
     assert not found, found
 
 
-def test_a_light_folder_that_others_can_write_is_a_problem_when_the_job_writes_there(tmp_path):
+def test_a_light_or_export_folder_that_others_can_write_is_a_problem_when_the_job_writes_there(tmp_path):
     (tmp_path / "light").mkdir()
     os.chmod(tmp_path / "light", 0o777)
     assert ownership_problems(tmp_path) == []  # no --light-every: nothing is written there
     assert "light is writable by others" in ownership_problems(tmp_path, ["light"])[0]
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    os.chmod(open_to_all, 0o777)
+    assert "another user could replace" in run_dir_problems(tmp_path / "run", str(open_to_all / "m.pt"))[0]
+    os.chmod(open_to_all, 0o1777)  # sticky, as /tmp: nobody replaces another's file there
+    assert run_dir_problems(tmp_path / "run", str(open_to_all / "m.pt")) == []

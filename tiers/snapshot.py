@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import hashlib
 import json
 import mmap
 import os
@@ -67,17 +66,20 @@ ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its ty
 STATE_BYTES_PER_PARAM = 12  # an fp32 weight and AdamW's two fp32 moments
 
 
-def default_dir(run_dir):
-    """This user's folder for the run in /dev/shm (None where there is no /dev/shm: no memory tier)."""
+def default_dir(run_dir, run=None):
+    """This user's folder for the run in /dev/shm, named after the run's id (`run`, else the one in its
+    ckpt/run-id): a file of this user's alone, so that no other user can know the name, and make the
+    folder first to block the run. A run with no id yet (its first rank 0 makes it: open_tier) gets a
+    name nobody has made. None where there is no /dev/shm: no memory tier."""
     if not os.path.isdir("/dev/shm"):
         return None
-    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return Path("/dev/shm") / f"snapshots-{os.getuid()}-{digest}"
+    run = run or (run_id(Path(run_dir) / "ckpt", make=False) if (Path(run_dir) / "ckpt").is_dir() else None)
+    return Path("/dev/shm") / f"snapshots-{os.getuid()}-{run[:16] if run else uuid.uuid4().hex}"
 
 
-def folder_of(cfg):
+def folder_of(cfg, run=None):
     """Where this node keeps the run's snapshots: --snapshot-dir, or default_dir (None: the tier is off)."""
-    return Path(cfg.snapshot_dir) if cfg.snapshot_dir else default_dir(cfg.run_dir)
+    return Path(cfg.snapshot_dir) if cfg.snapshot_dir else default_dir(cfg.run_dir, run)
 
 
 def tier_problems(cfg, params, sharded):
@@ -108,7 +110,8 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     `sample_fields` unless they may change). `replicate` keeps each record ("records": DDP, whose nodes
     hold the same state) or each record and its shards ("shards": FSDP) on the same local rank of the
     next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
-    folder = folder_of(cfg)
+    ids = gather_json(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
+    folder = folder_of(cfg, ids[0])
     # made here (it may have been made by another since the check)
     problems = gather_json(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
                            "folder)")
@@ -116,7 +119,6 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     if bad is not None:
         print0(f"memory tier off: rank {bad}: {problems[bad]}")
         return None
-    ids = gather_json(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     replica = None
     if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
