@@ -209,6 +209,7 @@ def test_loss_falls_on_the_synthetic_task_and_mfu_is_logged(daly_job):
     # No abbreviation: harness/launch.py, which reads --survivors, --spares and --hang-timeout-s, takes none.
     (["--surv"], "unrecognized arguments: --surv"),
     (["--hang-timeout", "1"], "unrecognized arguments: --hang-timeout 1"),
+    (["--survivors", "--spare", "1"], "unrecognized arguments: --spare 1"),
     (["--light-keep", "5"], "--light-keep does nothing without --light-every"),
     ([], "PEAK_TFLOPS (the device's bf16 peak, for MFU) must be a positive number, got 'fast'"),
 ])
