@@ -43,7 +43,9 @@ def store_of(pid):
 
 def reaches(address, uid=None):
     """Whether a process of this machine (of user `uid`, when given) connects to `address`: a child forked
-    from this one, outside the job's namespaces, that tries."""
+    from this one, outside the job's namespaces, that tries. It exits 1 only for a refused or timed-out
+    connection, 2 for anything else (a user who cannot read this python's files: nothing is imported after
+    setuid, the address is given as bytes, which needs no codec), so that "cannot connect" is never a crash."""
     child = os.fork()
     if child == 0:
         try:
@@ -51,11 +53,17 @@ def reaches(address, uid=None):
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-            socket.create_connection(address, timeout=2).close()
+            with socket.socket() as s:
+                s.settimeout(2)
+                s.connect((address[0].encode(), address[1]))
             os._exit(0)
-        except BaseException:
+        except (ConnectionRefusedError, TimeoutError):
             os._exit(1)
-    return os.waitpid(child, 0)[1] == 0
+        except BaseException:
+            os._exit(2)
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    assert status in (0, 1), f"the probe of {address} failed otherwise (exit {status})"
+    return status == 0
 
 
 def as_the_job(pid, nsfd, address):
@@ -93,6 +101,8 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
         assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
         store, nsfd = store_of(metrics(run, 0, "start")[-1]["pid"])
         assert nsfd is not None and store[1] not in {port for _, port in sockets}
+        with socket.create_server(("127.0.0.1", 0)) as control:  # what user 65534 does reach: a port out here
+            assert reaches(control.getsockname(), uid=65534)
         assert not reaches(store, uid=65534) and not reaches(store)
         assert as_the_job(metrics(run, 0, "start")[-1]["pid"], nsfd, store).check(["vacancies"])  # the job's own do
         for step, rank, number in ((40, 2, signal.SIGKILL), (70, 3, signal.SIGSTOP)):
