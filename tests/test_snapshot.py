@@ -280,4 +280,5 @@ def test_the_default_folder_is_named_after_the_runs_own_id_which_no_other_user_c
     assert snapshot.default_dir(tmp_path) != snapshot.default_dir(tmp_path)  # no id yet: a name nobody made
     run = snapshot.run_id(tmp_path / "ckpt")
     assert snapshot.default_dir(tmp_path).name == f"snapshots-{os.getuid()}-{run[:16]}"
-    assert subprocess.run([*STRANGER, "cat", tmp_path / "ckpt" / "run-id"], capture_output=True).returncode != 0
+    denied = subprocess.run([*STRANGER, "cat", tmp_path / "ckpt" / "run-id"], capture_output=True, text=True)
+    assert denied.returncode == 1 and "Permission denied" in denied.stderr, denied.stderr
