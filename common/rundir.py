@@ -73,9 +73,13 @@ def run_dir_problems(run_dir, export=""):
         why = writable(folder, create)
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]
-    if export and (mode := os.stat(folders[-1][1]).st_mode) & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        return [f"--export: {folders[-1][1]} is writable by others ({stat.filemode(mode)}): another user could "
-                "replace the weights written there; name a folder of yours"]
+    # Another user must not be able to replace the weights written there: a folder of this user's (or
+    # root's) that group and others cannot write, as ownership_problems asks of ckpt/, or a sticky one of
+    # theirs (/tmp: nobody there replaces another's file).
+    if export and (why := _written_by_others(folders[-1][1], True)):
+        st = os.stat(folders[-1][1])
+        if not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
+            return [f"--export: {why}: another user could replace the weights written there"]
     return []
 
 

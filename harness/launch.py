@@ -76,6 +76,13 @@ SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 PREEMPTED = 143  # common.dist.PREEMPTED, copied: common.dist imports torch, which only --preflight loads here
 
 
+def nodes(nnodes):
+    """NNODES as a string, "1" when unset; "1:1" (elastic, at most one node) is one node: "1", whose
+    rendezvous and stores are private to the machine."""
+    nnodes = str(nnodes or "1")
+    return "1" if nnodes.rpartition(":")[2] == "1" else nnodes
+
+
 def dies_with_parent(cmd, number):
     """`cmd`, started so that the kernel sends it the signal `number` when this process dies (PR_SET_PDEATHSIG,
     which lasts through exec), set by the child itself before it execs `cmd`: between fork and exec
@@ -96,7 +103,7 @@ def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, en
     that one). `grace_s`: the seconds torchrun gives the workers between the signal it passes on and its
     SIGKILL (default 30; where this torch's torchrun can change it). The environment names a fresh
     stop file (exit_code() reads it)."""
-    nnodes = "1" if str(nnodes).rpartition(":")[2] == "1" else nnodes  # 1:1 is one node: its rendezvous private too
+    nnodes = nodes(nnodes)
     conf = [rdzv_conf or ELASTIC_RDZV_CONF] if ":" in str(nnodes) else []
     conf += [f"is_host={int(is_host)}"] if is_host is not None else []
     if str(nnodes) == "1":
@@ -312,14 +319,14 @@ def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nn
     cmd = [sys.executable, "-m", "harness.launch", script, str(nproc), "--run-dir", str(run_dir), "--survivors",
            "--spares", str(spares), *map(str, flags)]
     stop_file = stop_folder() / f"stop-{uuid.uuid4().hex}"
-    nodes = {"NNODES": str(nnodes), "NODE_RANK": str(node), "RDZV_ENDPOINT": endpoint} if nnodes > 1 else {}
-    return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file), **nodes}
+    several = {"NNODES": str(nnodes), "NODE_RANK": str(node), "RDZV_ENDPOINT": endpoint} if nnodes > 1 else {}
+    return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file), **several}
 
 
 def supervise(script, nproc, flags, spares, fence_s):
     """Run this node's part of a --survivors job (tiers/survivors.py's Supervisor) and exit with its status."""
     from harness.supervisor import Supervisor
-    nnodes, node = os.environ.get("NNODES") or "1", os.environ.get("NODE_RANK")
+    nnodes, node = nodes(os.environ.get("NNODES")), os.environ.get("NODE_RANK")
     endpoint = os.environ.get("RDZV_ENDPOINT") if nnodes != "1" else None
     if nnodes != "1":
         if ":" in nnodes or node is None or not endpoint:
@@ -350,8 +357,7 @@ def main(argv):
     workers grace_for(the run folder) seconds to save (SHUTDOWN_TIMEOUT: another)."""
     checked = argv[:1] == ["--preflight"]
     script, nproc, *flags = argv[1:] if checked else argv
-    nnodes = os.environ.get("NNODES") or "1"
-    nnodes = "1" if nnodes.rpartition(":")[2] == "1" else nnodes  # (1:1: one node)
+    nnodes = nodes(os.environ.get("NNODES"))
     run_dir = None
     endpoint = os.environ.get("RDZV_ENDPOINT") or "localhost:0"
     if checked:  # an elastic job is checked at every world size from MIN to MAX nodes

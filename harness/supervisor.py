@@ -80,9 +80,11 @@ class Supervisor:
         self.watch = None  # (the current generation, when it was first seen)
         self.stopped_since = {}  # slot -> when its process was first seen stopped
         self.beats = {}  # node 0: node -> (its incarnation, its beat, when that beat was first seen)
-        self.forming = None  # (a generation not formed yet that some rank is ready for, since when)
+        self.joining = {}  # (rank, slot, pid) of a newcomer of this node not yet in a generation -> since when
+        self.joined = set()  # the (rank, slot, pid) seen in one
         self.ignored = set()  # the store's keys whose values are not this job's (each said once)
         self.bogus = {}  # rank -> its vacancy's node, for the ranks claimed by no process of the job (owners)
+        self.claims = {}  # rank -> (its vacancy's generation, slot, pid) of this node's newcomers (owners)
 
     def start(self, slot):
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
@@ -120,14 +122,17 @@ class Supervisor:
                 self.ignore(f"claim/{n}")
             last[vacancy[0]] = (n, vacancy, claim)
             owner[vacancy[0]] = claim[0] if claim else None
-        self.bogus = {}
+        self.bogus, self.claims = {}, {}
         for rank, (n, vacancy, claim) in last.items():
-            theirs = bool(claim) and claim[0] // STRIDE == self.node and (
-                claim[0] not in self.own or claim[1] != getattr(self.procs.get(claim[0]), "pid", None))
+            # (a slot not started yet in this incarnation is not judged: a node come back gives its ranks away)
+            theirs = bool(claim) and claim[0] // STRIDE == self.node and (claim[0] not in self.own or (
+                claim[0] in self.procs and claim[1] != self.procs[claim[0]].pid))
             if theirs or claim is None and self.node == 0:
                 self.ignore(f"claim/{n}")
                 self.bogus[rank] = vacancy[2]
                 owner[rank] = None
+            elif claim and claim[0] in self.own:
+                self.claims[rank] = (vacancy[1], *claim)  # this node's newcomers: (their vacancy's generation, slot, pid)
         return owner
 
     def ignore(self, key):
@@ -218,23 +223,21 @@ class Supervisor:
         self.watch = (gen, now)  # the kill is seen as a death on the next round
 
     def join_deadline(self, gen, now):
-        """A generation that some ranks are ready to form (g<gen>/member/<r>) and others not, for 2 fence_s:
-        this node's processes that hold the missing ranks are fenced, whatever their state (a newcomer
-        frozen after its claim, a survivor stuck on its way), and replaced. Not generation 0, whose
-        processes are all starting (a newcomer holds its rank only once it has started: its claim)."""
-        ready = [gen > 0 and self.store.check([f"g{gen}/member/{r}"]) for r in range(self.world)]
-        if all(ready) or not any(ready):
-            self.forming = None
-            return
-        if self.forming is None or self.forming[0] != gen:
-            self.forming = (gen, now)
-            return
-        if now - self.forming[1] >= 2 * self.fence_s:
-            for rank in (r for r in range(self.world) if not ready[r]):
-                slot = self.slot_of(rank)
-                if slot is not None:
-                    self.kill(slot, f"did not join generation {gen} in {2 * self.fence_s:.0f} s")
-            self.forming = (gen, now)
+        """A newcomer of this node that claimed a rank (a vacancy of generation v) and has joined no
+        generation since (g<k>/member/<rank> with its pid, v <= k <= gen) within 2 fence_s of its claim
+        being seen is fenced, whatever its state (frozen after its claim, not stopped), and replaced.
+        Survivors are not timed here: one may be finishing a save (Team.recover: settle)."""
+        for rank, (since, slot, pid) in self.claims.items():
+            key = (rank, slot, pid)
+            if key in self.joined:
+                continue
+            if any(self.store.check([f"g{k}/member/{rank}"]) and self.store.get(f"g{k}/member/{rank}").decode()
+                   == str(pid) for k in range(since, gen + 1)):
+                self.joined.add(key)
+                self.joining.pop(key, None)
+            elif now - self.joining.setdefault(key, now) >= 2 * self.fence_s:
+                self.kill(slot, f"did not join generation {gen} in {2 * self.fence_s:.0f} s of its claim")
+                self.joining.pop(key)
 
     def stop_bound(self, slot):
         """How long the process of `slot` may stay stopped before it is fenced: STOPPED_STEPS of its rank's

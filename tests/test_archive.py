@@ -129,10 +129,11 @@ def plant_marker(fs, prefix, step, name, files, objects=(), pad=0, config=None):
 
 def test_a_marker_from_the_bucket_writes_nothing_outside_the_fetch_and_a_damaged_archive_is_a_stop(long_job, s3,
                                                                                                   tmp_path):
-    # Over a whole step 350, six markers that whoever can write the bucket could leave, newest first: a file
+    # Over a whole step 350, seven markers that whoever can write the bucket could leave, newest first: a
+    # DCP folder without its .metadata (fetched, it would count as no checkpoint: a fresh start), a file
     # named by an absolute path (its object there, its sha256 right: the old fetch wrote it), a ../ file
     # name, a ../ step name, another step's name, a marker of 2 MiB, an object larger than its marker says. Each is
-    # one line and skipped; step 350 is fetched and the job ends as the untouched one; then the six are
+    # one line and skipped; step 350 is fetched and the job ends as the untouched one; then the seven are
     # moved aside. Nothing is written outside the run folder.
     run, _, _, _ = long_job
     reference, fs = summary(run)["param_digest"], s3.client()
@@ -143,6 +144,7 @@ def test_a_marker_from_the_bucket_writes_nothing_outside_the_fetch_and_a_damaged
     evil = str(outside / "escape-abs.txt")
     config = json.loads(fs.cat_file(f"{BUCKET}/planted/step-00000350/ARCHIVED.json"))["config"]
     plant = functools.partial(plant_marker, config=config)
+    plant(fs, "planted", 357, "step-00000357", {"a": b"a"}, objects=[("a", b"a")])  # no .metadata: not committed
     plant(fs, "planted", 356, "step-00000356.pt", {"step-00000356.pt": pt, evil: b"the bucket's bytes"},
           objects=[("step-00000356.pt", pt), (evil, b"the bucket's bytes")])
     plant(fs, "planted", 355, "step-00000355.pt", {"step-00000355.pt": pt, "../escape-rel.txt": b"x"},
@@ -156,7 +158,7 @@ def test_a_marker_from_the_bucket_writes_nothing_outside_the_fetch_and_a_damaged
     job = tmp_path / "job" / "run"
     out = torchrun("ddp/train.py", 1, job, *FLAGS[:-6], "--archive", "s3://ckpt/planted", env=s3.env)
     output = out.stdout + out.stderr
-    why = {356: "not a plain file name", 355: "not a plain file name", 354: "not step 354's own checkpoint",
+    why = {357: "lists no .metadata", 356: "not a plain file name", 355: "not a plain file name", 354: "not step 354's own checkpoint",
            353: "not step 353's own checkpoint", 352: "more than a marker's", 351: "its marker says 10"}
     for step, words in why.items():
         line = next(x for x in output.splitlines() if x.startswith(f"archive: step {step} fails its check"))

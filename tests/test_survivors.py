@@ -155,7 +155,7 @@ def test_what_the_store_says_is_checked_a_bogus_claim_is_posted_again_and_a_clai
     assert "supervisor: claim/2 in the job's store is not this job's: ignored" in output
     assert re.search(r"supervisor: rank 1 \(claimed by no process of the job\) posted again: generation \d+", output)
     assert "fault injection: slot 2 hangs after it claimed vacancy 3" in output
-    assert re.search(r"supervisor: rank 1 \(slot 2\) did not join generation \d+ in 4 s: frozen, killed", output), \
+    assert re.search(r"supervisor: rank 1 \(slot 2\) did not join generation \d+ in 4 s of its claim: frozen, killed", output), \
         output[-3000:]
     assert "slot 1 (pid" in output and "takes rank 1" in output.split("did not join generation")[1]
     assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]

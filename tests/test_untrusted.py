@@ -161,5 +161,9 @@ def test_a_light_or_export_folder_that_others_can_write_is_a_problem_when_the_jo
     open_to_all.mkdir()
     os.chmod(open_to_all, 0o777)
     assert "another user could replace" in run_dir_problems(tmp_path / "run", str(open_to_all / "m.pt"))[0]
+    os.chmod(open_to_all, 0o755)
+    os.chown(open_to_all, 65534, 65534)  # another user's folder: they could replace the file too
+    assert "belongs to" in run_dir_problems(tmp_path / "run", str(open_to_all / "m.pt"))[0]
+    os.chown(open_to_all, os.geteuid(), os.getegid())
     os.chmod(open_to_all, 0o1777)  # sticky, as /tmp: nobody replaces another's file there
     assert run_dir_problems(tmp_path / "run", str(open_to_all / "m.pt")) == []

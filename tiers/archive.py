@@ -461,11 +461,11 @@ def read_marker(fs, src, step):
     own size bounded, `name` the step's own (its file, or its DCP folder), each file a plain name (no
     separator, not . or ..) with a size and a sha256. Raises Damaged naming what is wrong: a marker is
     the bucket's word, and whoever can write the bucket can write it."""
-    size = fs.info(f"{src}/{MARKER}")["size"]
-    if size > MARKER_MAX:
-        raise Damaged(f"its marker is {size} bytes, more than a marker's {MARKER_MAX}")
+    text = fs.cat_file(f"{src}/{MARKER}", start=0, end=MARKER_MAX + 1)  # read once: no other size to trust
+    if len(text) > MARKER_MAX:
+        raise Damaged(f"its marker is more than a marker's {MARKER_MAX} bytes")
     try:
-        manifest = json.loads(fs.cat_file(f"{src}/{MARKER}"))
+        manifest = json.loads(text)
         name, files = manifest["name"], manifest["files"]
         assert isinstance(files, dict) and files
     except (ValueError, KeyError, TypeError, AssertionError):
@@ -480,6 +480,8 @@ def read_marker(fs, src, step):
             raise Damaged(f"its marker gives {fname!r} no size and sha256")
     if name.endswith(".pt") and list(files) != [name]:
         raise Damaged(f"its marker lists other files than {name}")
+    if not name.endswith(".pt") and ".metadata" not in files:  # a DCP folder's commit (common/checkpoint.py)
+        raise Damaged(f"its marker lists no .metadata for the folder {name}")
     return manifest
 
 

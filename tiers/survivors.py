@@ -153,7 +153,7 @@ def vacancy_of(value, world, nnodes):
     try:
         rank, gen, node = value.decode().split()
         assert 0 <= int(rank) < world and int(gen) >= 0 and (node == "any" or 0 <= int(node) < nnodes)
-        return int(rank), int(gen), node
+        return int(rank), int(gen), node if node == "any" else str(int(node))
     except (ValueError, AssertionError, UnicodeDecodeError):
         return None
 
