@@ -150,19 +150,24 @@ def refused(script, *argv, code=2):
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # as /proc/net says
 
 
-def listening(root):
-    """{(address in /proc/net/tcp's hex, port)} that process `root` and all its descendants listen on."""
-    pids, parents = {root}, {}
+def descendants(root):
+    """The pids below process `root` (its children, theirs, ...), from /proc."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-    while True:
-        more = {pid for pid, parent in parents.items() if parent in pids} - pids
-        if not more:
-            break
-        pids |= more
+    found, more = set(), {root}
+    while more:
+        more = {pid for pid, parent in parents.items() if parent in more} - found
+        found |= more
+    return found
+
+
+def listening(root):
+    """{(address in /proc/net/tcp's hex, port)} that process `root` and all its descendants listen on."""
+    pids = {root, *descendants(root)}
     inodes = set()
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):

@@ -108,7 +108,7 @@ def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
     # SIGKILL to the launcher run.sh runs (torchrun mode): the kernel sends torchrun SIGTERM, which its
     # workers take as a preemption: they save their step and end, and nothing is left holding the run
     # folder. NNODES=1:1 (elastic, one node) is one node: everything it listens on is on the loopback.
-    from conftest import LOOPBACK, SMALL, listening, wait_for_step
+    from conftest import LOOPBACK, SMALL, descendants, listening, wait_for_step
     run = tmp_path / "run"
     cmd = ["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(run), *SMALL, "--steps", "100000",
            "--save-every", "100000"]
@@ -122,7 +122,7 @@ def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
         proc.kill()
         deadline = time.monotonic() + 60
         while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in tree) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # polling /proc for the processes' end, not waiting for a moment
         left = [pid for pid in tree if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
     finally:  # whatever is left, killed (the launcher's process group, and torchrun's session)
         for pid in {proc.pid, *tree, *descendants(proc.pid)}:
@@ -131,19 +131,6 @@ def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
     assert not left, left
     log = (tmp_path / "job.log").read_text()
     assert "preempted (SIGTERM or SIGUSR1): step" in log and "saved, exiting for a restart" in log, log[-3000:]
-
-
-def descendants(root):
-    """The pids below process `root`."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, more = set(), {root}
-    while more:
-        more = {pid for pid, parent in parents.items() if parent in more} - found
-        found |= more
-    return found
 
 
 def zombie(pid):
