@@ -481,9 +481,17 @@ def node_lost_and_back(job):
 
 
 def no_spare(job):
-    """The processes of a --survivors job's first launch that hold no rank: spares (FIRST_RANK unset)."""
-    from tiers.survivors import FIRST_RANK
-    return [pid for pid, env in children(job.proc.pid).items() if FIRST_RANK not in env]
+    """The processes of a --survivors job that hold no rank: spares, the supervisor's children that no
+    rank's start event names (a forked one's /proc environ is the warm parent's: its FIRST_RANK is not
+    there), but its warm parent (named ft-warm-parent)."""
+    from harness.warm import NAME
+    ranks = {e["pid"] for e in job.watch.poll() if e["event"] == "start"}
+    spares = []
+    for pid in set(children(job.proc.pid)) - ranks:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            if Path(f"/proc/{pid}/comm").read_bytes().strip() != NAME:
+                spares.append(pid)
+    return spares
 
 
 def kill_two(job):
@@ -515,11 +523,11 @@ def kill_spare_then_rank(job):
 
 def kill_the_replacement(job):
     """replacement-killed: SIGKILL a random rank after a random step, then the process that takes its
-    place as soon as it says so ("slot S (pid P): takes rank R", before it joins the group)."""
+    place as soon as it says so ("slot S (pid P, how): takes rank R", before it joins the group)."""
     first = signal_at_step(job, signal.SIGKILL, range(job.trial.processes), job.rng.randint(6, STEPS - MARGIN), 0)
     if first is None:
         return
-    taken = re.compile(r"slot \d+ \(pid (\d+)\): takes rank \d+")
+    taken = re.compile(r"slot \d+ \(pid (\d+), [a-z ]+\): takes rank \d+")
     while job.proc.poll() is None and time.time() < job.deadline:
         found = taken.search(job.proc.log.read_text(errors="replace"))
         if found:

@@ -10,6 +10,7 @@ import subprocess
 import time
 
 from harness.launch import dies_with_parent
+from harness.warm import READY_S, Forked, WarmParent
 from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD, claim_of,
                              in_network_namespace, vacancy_of)
 
@@ -85,22 +86,63 @@ class Supervisor:
         self.ignored = set()  # the store's keys whose values are not this job's (each said once)
         self.bogus = {}  # rank -> its vacancy's node, for the ranks claimed by no process of the job (owners)
         self.claims = {}  # rank -> (its vacancy's generation, slot, pid) of this node's newcomers (owners)
+        self.first_launch, self.warm_restarts = True, 0
+        self.warm = self.start_warm()  # forks the node's processes once it has imported what they import
 
-    def start(self, slot):
+    def environment(self, slot=None):
+        """The environment of the process of `slot`; without one, what the node's processes share (the
+        warm parent's)."""
         # One thread a process for several ranks unless the user says otherwise, as torchrun sets it (the
         # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
         threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
         threads.update(NCCL_SETTINGS)  # the user's own settings win
+        env = {**threads, **self.env, STORE: self.address, WORLD: str(self.world),
+               **({NETNS: str(self.netns)} if self.netns is not None else {}),
+               SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        if slot is None:
+            return env
         local = slot - self.own.start
         first = local < self.nproc and self.restarts[slot] == 0 and self.incarnation == 1
-        env = {**threads, **self.env, STORE: self.address, SLOT: str(slot), WORLD: str(self.world),
-               **({NETNS: str(self.netns)} if self.netns is not None else {}),
-               SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
-               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
-               **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
+        return {**env, SLOT: str(slot), "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot]),
+                **({FIRST_RANK: str(self.node * self.nproc + local)} if first else {})}
+
+    def start(self, slot):
+        """Start the process of `slot`: forked by the warm parent once it is ready (the first launch waits
+        for it), else a fresh interpreter."""
+        env = self.environment(slot)
+        warm = self.warm is not None and self.warm.ready(READY_S if self.first_launch else 0)
+        if self.warm is not None and not warm and self.first_launch:
+            self.warm_lost(f"was not ready in {READY_S} s" if self.warm.loaded is None else "ended as it loaded")
+        if warm:
+            proc = self.warm.fork(env)
+            if isinstance(proc, Forked):
+                self.procs[slot] = proc
+                return
+            self.warm_lost(f"could not fork ({proc})")
         # SIGKILLed by the kernel if the supervisor dies: no orphan trains on.
         self.procs[slot] = subprocess.Popen(dies_with_parent(self.cmd, signal.SIGKILL), env=env, start_new_session=True,
                                             pass_fds=() if self.netns is None else (self.netns,))
+
+    def start_warm(self):
+        """A new warm parent (harness/warm.py), or None (said in one line) where there can be none."""
+        try:
+            return WarmParent(self.cmd, self.environment(), pass_fds=() if self.netns is None else (self.netns,))
+        except OSError as e:
+            print(f"supervisor: no warm parent ({e.strerror}): every process starts as a fresh interpreter", flush=True)
+            return None
+
+    def warm_lost(self, why):
+        """The warm parent is gone or useless: a new one, unless it never got ready or has been replaced
+        max_restarts times; meanwhile every new process starts as a fresh interpreter."""
+        was_ready = bool(self.warm.loaded)
+        self.warm.close()
+        again = was_ready and self.warm_restarts < self.max_restarts
+        print(f"supervisor: the warm parent (pid {self.warm.proc.pid}) {why}: new processes start as fresh "
+              f"interpreters {'until another is ready' if again else 'from now on'}", flush=True)
+        self.warm = None
+        if again:
+            self.warm_restarts += 1
+            self.warm = self.start_warm()
 
     def owners(self):
         """{rank: the slot that holds it now (None: no process yet)}: the first launch's, then each
@@ -311,6 +353,7 @@ class Supervisor:
             self.give_away(self.node, self.incarnation - 1, "started again")
         for slot in self.own:
             self.start(slot)
+        self.first_launch = False
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
             signal.signal(number, self.pass_on)
         code, rounds = None, 0
@@ -336,6 +379,8 @@ class Supervisor:
                     proc.kill()
                     proc.wait()
                     code = code or 1
+            if self.warm is not None:
+                self.warm.close()
             self.leave()
         return code
 
@@ -358,6 +403,11 @@ class Supervisor:
         with 0 (done, or a stop: its code in the stop file) or 143 (preempted), or any after a signal,
         ends the job; any other is replaced alone."""
         ended = False
+        if self.warm is not None and self.warm.proc.poll() is not None:
+            self.warm_lost(f"died ({'exit ' if self.warm.proc.returncode > 0 else 'signal '}"
+                           f"{abs(self.warm.proc.returncode)})")
+        elif self.warm is not None:
+            self.warm.ready(0)  # (says so once it is)
         for slot, proc in self.procs.items():
             status = proc.poll()
             if status is None:

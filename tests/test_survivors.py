@@ -16,6 +16,7 @@ from torch.distributed import TCPStore
 from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
                       torchrun, wait_for_step)
 from harness import launch
+from harness.metrics import Watch
 from tiers.survivors import HANG_AT_CLAIM, PROCESS_BYTES, available_memory
 
 SCRIPT = "ddp/train.py"
@@ -159,6 +160,51 @@ def test_what_the_store_says_is_checked_a_bogus_claim_is_posted_again_and_a_clai
         output[-3000:]
     assert "slot 1 (pid" in output and "takes rank 1" in output.split("did not join generation")[1]
     assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
+
+
+def wait_for_line(proc, pattern, count=1, timeout=120):
+    """The `count`-th match of `pattern` in the job's output, or None if the job ended (or `timeout` s
+    passed) first."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        found = list(re.finditer(pattern, proc.log.read_text(errors="replace")))
+        if len(found) >= count:
+            return found[count - 1]
+        time.sleep(0.05)  # polling the job's output for the line, not waiting for a moment
+    return None
+
+
+def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpreter_stands_in(tmp_path):
+    # Every process of the node is forked by the warm parent (harness/warm.py), which has imported torch
+    # and the script: the first launch's, and each replacement. After step 10 the warm parent is
+    # SIGKILLed; once the supervisor has said so, rank 1 is SIGKILLed too: no warm parent is ready, so
+    # its replacement is a fresh interpreter, while the supervisor starts another warm parent. Once that
+    # one is ready, rank 0 is SIGKILLed: its replacement is forked again. The ranks kept nothing but their
+    # memory snapshots: the job ends with the weights of an uninterrupted one, made of fresh processes.
+    flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]
+    reference = tmp_path / "reference"
+    torchrun(SCRIPT, 2, reference, *flags)
+    run = tmp_path / "run"
+    loaded = r"supervisor: the warm parent \(pid (\d+)\) loaded in [\d.]+ s \(1 threads\)"
+
+    def faults(proc):
+        assert wait_for_step(run, 10, proc), "the job ended before step 10"
+        warm = int(wait_for_line(proc, loaded)[1])
+        assert Path(f"/proc/{warm}/comm").read_text().strip() == "ft-warm-parent"
+        os.kill(warm, signal.SIGKILL)
+        assert wait_for_line(proc, rf"the warm parent \(pid {warm}\) died \(signal 9\): new processes start as "
+                                   "fresh interpreters until another is ready"), "the supervisor never saw it die"
+        os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)
+        again = wait_for_line(proc, loaded, count=2)
+        assert again and int(again[1]) != warm, "no new warm parent"
+        recovered = Watch(run).first("recovered", proc, rank=0)
+        assert recovered and wait_for_step(run, recovered["step"] + 5, proc), "the job ended before the second kill"
+        os.kill(metrics(run, 0, "start")[-1]["pid"], signal.SIGKILL)
+    output = survivors_run(run, *flags, "--hang-timeout-s", 3, while_running=faults)
+    assert re.search(r"slot 1 \(pid \d+, a fresh interpreter\): takes rank 1", output), output[-3000:]
+    assert re.search(r"slot 0 \(pid \d+, forked\): takes rank 0", output), output[-3000:]
+    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [2, 2]
+    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
 @pytest.mark.parametrize("flags, message", [

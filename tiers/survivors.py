@@ -66,6 +66,7 @@ POLL_S = 0.005  # how often a waiting process reads the store (one node: a few m
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 BEAT_S = 0.1  # a rank's beat (beat/<rank>: its steps and its median step) every BEAT_S
 CLONE_NEWNET = 0x40000000  # (linux/sched.h)
+FORKED = "FT_FORKED"  # set in a process that the node's warm parent forked (harness/warm.py)
 HANG_AT_CLAIM = "FT_HANG_AT_CLAIM"  # tests: the process that wins vacancy N hangs there (alive, never joins)
 # NCCL in this mode: only an abort (the watcher's) or the group's own timeout ends a collective; neither
 # the watchdog (after an error, a timeout: it would kill the process) nor the heartbeat monitor kills it.
@@ -248,7 +249,8 @@ class Team:
                     if os.environ.get(HANG_AT_CLAIM) == str(self.seen):
                         print(f"fault injection: slot {self.slot} hangs after it claimed vacancy {self.seen}", flush=True)
                         threading.Event().wait()
-                    print(f"slot {self.slot} (pid {os.getpid()}): takes rank {rank}", flush=True)
+                    how = "forked" if os.environ.get(FORKED) else "a fresh interpreter"
+                    print(f"slot {self.slot} (pid {os.getpid()}, {how}): takes rank {rank}", flush=True)
                     return rank
             if self.store.check(["end"]):
                 return None
