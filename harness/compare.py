@@ -1,12 +1,14 @@
 """Measured comparison of DDP and FSDP, each with and without async save, and the parameter server.
 
-    bash run.sh compare 4                  # 24 jobs; 6.5 minutes on a 2-core CPU machine
+    bash run.sh compare 4                  # 28 jobs; about 7.5 minutes on a 2-core CPU machine
     bash run.sh compare 4 --quick          # the main table only, on the tiny model, fewer steps
     bash run.sh compare 4 --format json    # also: markdown, csv; the JSON always lands in results.json
     bash run.sh compare 4 --plot figures   # also loss.png, memory.png and saves.png (needs matplotlib)
 
 Each strategy runs through the real torchrun with the same model, seed, data, steps and world size,
-once uninterrupted and once with a crash that torchrun recovers. Every figure is read from what the
+once uninterrupted and once with a crash that torchrun recovers; ddp and fsdp also with the same crash
+under --survivors, the dead rank replaced by a new process (forked from the node's warm parent), then
+by a spare, the other ranks kept. Every figure is read from what the
 scripts wrote (metrics-rank<r>.jsonl, summary.json, the checkpoint folder); none is estimated. The
 theoretical model-state figure is printed next to the measured one, labelled as such.
 Tables of their own (not with --quick): the memory tier (memory_tier(): ddp and fsdp on the medium
@@ -34,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
-from harness.launch import STRATEGIES, column, finish, problems, start, torchrun  # noqa: E402
+from harness.launch import STRATEGIES, column, finish, problems, start, survivors_job, torchrun  # noqa: E402
 from harness.metrics import (events, median_or_none, phases, startup_peaks, step_slowdown_while_saving,  # noqa: E402
                              training_peaks)
 from common.model import PRESETS  # noqa: E402
@@ -44,15 +46,24 @@ from common.model import PRESETS  # noqa: E402
 COLUMNS = {column(s): STRATEGIES[s] for s in ("ddp", "ddp-async", "fsdp", "fsdp-async", "rpc")}
 
 
-def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900):
+def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900, spares=None):
     """Launch one job; returns what it wrote, plus the launch time. A job that does not exit 0 after
     exactly `restarts` torchrun restarts (a clean run printing a Traceback included) is an error:
-    its figures would measure another run than the one named."""
+    its figures would measure another run than the one named. `spares` (a number): a --survivors job
+    with that many, which must end after `restarts` generations, no torchrun restart and no Traceback."""
     start_time = time.time()
-    proc = start(*torchrun(script, nproc, run_dir, flags), log=f"{run_dir}.log")
+    launch = torchrun(script, nproc, run_dir, flags) if spares is None else survivors_job(script, nproc, run_dir, flags,
+                                                                                           spares)
+    proc = start(*launch, log=f"{run_dir}.log")
     code, output, hung = finish(proc, start_time + timeout_s)
     log(f"  {name}: {'hung, killed' if hung else f'exit {code}'} in {time.time() - start_time:.0f} s")
-    wrong = [f"no end after {timeout_s} s"] if hung else problems(run_dir, code, output, restarts)
+    wrong = [f"no end after {timeout_s} s"] if hung else problems(run_dir, code, output, 0 if spares is not None
+                                                                  else restarts)
+    if not wrong and spares is not None and "Traceback" in output:
+        wrong.append("a Traceback")
+    if not wrong and spares is not None and json.loads((Path(run_dir) / "summary.json").read_text()).get(
+            "generation") != restarts:
+        wrong.append(f"not {restarts} generations: a survivor restarted")
     if wrong:
         raise SystemExit(f"compare: {name} failed ({'; '.join(wrong)}):\n{output[-3000:]}")
     return {"launched": start_time, "summary": json.loads((Path(run_dir) / "summary.json").read_text()),
@@ -161,6 +172,17 @@ def measure(clean, crashed, crash_step, world, strategy):
     return row
 
 
+def survivors_recovery(clean, crashed, crash_step, cold_start_s):
+    """The same crash with --survivors (the dead rank's place taken by a new process forked from the
+    warm parent, or by a spare; the others keep theirs): crash (rank 0's crashed step) to rank 0's first
+    step after it."""
+    ev = crashed["events"]
+    crash_time = max(e["time"] for e in ev if e["event"] == "step" and e["rank"] == 0 and e["step"] == crash_step)
+    total = phases(ev, crash_time).get("total_s")
+    return {"recovery_s": total, "recovery_vs_cold_start": total / cold_start_s if total else None,
+            "digest_equal": crashed["summary"]["param_digest"] == clean["summary"]["param_digest"]}
+
+
 def main(argv=None):
     p = Parser(prog="bash run.sh compare", description=__doc__.split("\n")[0])
     p.add_argument("nproc", type=int, help="processes (ranks) per job")
@@ -190,22 +212,31 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.time() - started:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    def job(strategy, size, crash):
+    def job(strategy, size, crash, spares=None):
         script, extra = COLUMNS[strategy]
-        name = f"{strategy} {size}{' crash' if crash else ''}"
-        run_dir = out / run_name(strategy, size, crash)
+        layout = "" if spares is None else f" --survivors --spares {spares}"
+        name = f"{strategy}{layout} {size}{' crash' if crash else ''}"
+        run_dir = out / f"{run_name(strategy, size, crash)}{layout.replace(' --', '-').replace(' ', '-')}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch,
                  "--log-every", 1000, "--preset", size, *extra]
         flags += ["--crash-at-step", crash_step] if crash else []
         log(f"running {name} ...")
-        return run_job(name, script, args.nproc, run_dir, flags, log, restarts=1 if crash else 0)
+        return run_job(name, script, args.nproc, run_dir, flags, log, restarts=1 if crash else 0, spares=spares)
 
     results = {"main": {}, "growth": {}}
     for strategy in strategies:
         clean, crashed = job(strategy, main_size, False), job(strategy, main_size, True)
         results["main"][strategy] = measure(clean, crashed, crash_step, args.nproc, strategy)
         results["growth"].setdefault(main_size, {})[strategy] = results["main"][strategy]
+        if strategy in ("ddp", "fsdp"):  # the same crash, the survivors kept: a new process, then a spare
+            for spares, key in ((0, "survivors_new"), (1, "survivors_spare")):
+                crashed = job(strategy, main_size, True, spares)
+                row = survivors_recovery(clean, crashed, crash_step, results["main"][strategy]["cold_start_s"])
+                results["main"][strategy].update({f"{key}_{k}": v for k, v in row.items()})
+            results["main"][strategy]["survivors_digests"] = ", ".join(
+                "yes" if results["main"][strategy][f"{key}_digest_equal"] else "NO"
+                for key in ("survivors_new", "survivors_spare"))
     for size in sizes:  # one job each, with a crash: its saves and its load on resume are what grow
         for strategy in strategies:
             crashed = job(strategy, size, True)
@@ -241,7 +272,7 @@ def main(argv=None):
                                         f"model {STRAGGLER_SIZE}", args.format))
     if args.plot:
         plot(results, out, Path(args.plot), log)
-    if not all(r["resumed_digest_equal"] for r in results["main"].values()):
+    if not all(r["resumed_digest_equal"] and "NO" not in r.get("survivors_digests", "") for r in results["main"].values()):
         log("a crashed-and-resumed run did NOT end with the uninterrupted run's digest")
         return 1
     return 0
@@ -272,6 +303,11 @@ MAIN_ROWS = [  # (label, key, format)
     ("recovery: process start (imports, group, model)", "recovery_restart_s", "s"),
     ("recovery: replaying the lost steps", "replay_s", "s"), ("cold start: launch to first step", "cold_start_s", "s"),
     ("recovery / cold start", "recovery_vs_cold_start", "{:.2f}"), ("steps replayed", "steps_replayed", "{}"),
+    ("recovery, --survivors: a new process (forked)", "survivors_new_recovery_s", "s"),
+    ("recovery, --survivors: a new process, / cold start", "survivors_new_recovery_vs_cold_start", "{:.2f}"),
+    ("recovery, --survivors --spares 1", "survivors_spare_recovery_s", "s"),
+    ("recovery, --survivors --spares 1, / cold start", "survivors_spare_recovery_vs_cold_start", "{:.2f}"),
+    ("--survivors: digests == uninterrupted (new process, spare)", "survivors_digests", "{}"),
     ("resumed digest == uninterrupted", "resumed_digest_equal", "yesno"), ("final loss", "final_loss", "{:.4f}"),
 ]
 GROWTH_ROWS = ["params", "ckpt_bytes", "save_blocking_s", "save_total_s", "load_s", "state_bytes_per_rank"]

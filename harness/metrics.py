@@ -90,6 +90,8 @@ def phases(events, since):
       replayed_steps  steps trained again: the last step completed before `since` (after the
                       previous 'start'), less the step resumed from
       replay_s        the 'start' event until that step is completed again (0 if none)
+      back_s          `since` to the end of the first step beyond the last one completed before it:
+                      all that `since` cost (detection, restart, load, replay), plus one step
     """
     rank0 = sorted((e for e in events if e["rank"] == 0), key=lambda e: e["time"])
     steps = [e for e in rank0 if e["event"] == "step"]
@@ -106,6 +108,7 @@ def phases(events, since):
     trained = [e["step"] for e in steps if previous is not None and previous <= e["time"] <= since]
     replayed = max(0, max(trained, default=resumed) - resumed)
     again = next((e for e in steps if e["time"] > start["time"] and e["step"] >= resumed + replayed), first)
+    beyond = next((e for e in steps if e["time"] > start["time"] and e["step"] > resumed + replayed), None)
     return {
         "total_s": first["time"] - since,
         "detect_s": workers_at - since if workers_at else None,
@@ -114,6 +117,7 @@ def phases(events, since):
         "first_step_s": first["time"] - start["time"],
         "replayed_steps": replayed,
         "replay_s": again["time"] - start["time"] if replayed else 0.0,
+        "back_s": beyond["time"] - since if beyond else None,
     }
 
 

@@ -104,21 +104,26 @@ def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigk
     assert launch.exit_code(0, env) == 0  # no worker left a stop's code
 
 
-def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
-    # SIGKILL to the launcher run.sh runs (torchrun mode): the kernel sends torchrun SIGTERM, which its
-    # workers take as a preemption: they save their step and end, and nothing is left holding the run
-    # folder. NNODES=1:1 (elastic, one node) is one node: everything it listens on is on the loopback.
+@pytest.mark.parametrize("layout", ["torchrun", "survivors"])
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path, layout):
+    # SIGKILL to the launcher run.sh runs. torchrun mode: the kernel sends torchrun SIGTERM, which its
+    # workers take as a preemption: they save their step and end. --survivors: the launcher is the
+    # supervisor, whose processes (forked by its warm parent, then its children) and warm parent the
+    # kernel SIGKILLs. Either way nothing is left holding the run folder. NNODES=1:1 (elastic, one node)
+    # is one node: everything it listens on is on the loopback.
     from conftest import LOOPBACK, SMALL, descendants, listening, wait_for_step
     run = tmp_path / "run"
     cmd = ["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(run), *SMALL, "--steps", "100000",
-           "--save-every", "100000"]
+           "--save-every", "100000", *(["--survivors", "--spares", "1"] if layout == "survivors" else [])]
     proc, tree = launch.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
     try:
         assert wait_for_step(run, 5, proc), "the job ended before step 5"
         sockets = listening(proc.pid)
         assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
         tree = descendants(proc.pid)
-        assert len(tree) >= 3, tree  # torchrun and its 2 workers
+        names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in tree)
+        # torchrun and its 2 workers; or the 2 ranks, the spare and the warm parent
+        assert len(tree) >= 3 if layout == "torchrun" else names.count("ft-warm-parent") == 1 and len(tree) == 4, names
         proc.kill()
         deadline = time.monotonic() + 60
         while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in tree) and time.monotonic() < deadline:
@@ -130,7 +135,8 @@ def test_a_killed_launcher_takes_torchrun_and_its_workers_with_it(tmp_path):
                 os.kill(pid, 9)
     assert not left, left
     log = (tmp_path / "job.log").read_text()
-    assert "preempted (SIGTERM or SIGUSR1): step" in log and "saved, exiting for a restart" in log, log[-3000:]
+    if layout == "torchrun":
+        assert "preempted (SIGTERM or SIGUSR1): step" in log and "saved, exiting for a restart" in log, log[-3000:]
 
 
 def zombie(pid):

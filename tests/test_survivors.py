@@ -115,6 +115,10 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
     assert "the job's store in a network namespace of its own" in output
     assert "generation 0 failed with no process lost (a false alarm" in output
     assert "supervisor: rank 2 (slot 2) killed by signal 9: generation 2" in output
+    # The spare and the restarted slot 2 (the next spare) forked by the warm parent: the job's weights are
+    # those of the torchrun job's fresh processes.
+    assert re.findall(r"slot (\d+) \(pid \d+, (.+?)\): takes rank (\d)", output) == [("4", "forked", "2"),
+                                                                                ("2", "forked", "3")], output[-3000:]
     stopped = re.search(r"supervisor: rank 3 \(slot 3\) stopped for ([\d.]+) s: frozen, killed", output)
     assert stopped and float(stopped[1]) < 3, output[-3000:]  # learnt from the steps, not the hang timeout
     # Ranks 0 and 1 kept their processes through the three; each fault cost one new process at most.

@@ -198,7 +198,8 @@ class Team:
         self.lost = False  # a peer was lost in the body of `with team:`
         self.formed = threading.Lock()  # held while a generation is formed: the watcher never interrupts the next
         self.step_times, self.started = collections.deque(maxlen=50), None  # the steps of `with team:`
-        self.graveyard = []  # (when, the process groups) of the generations that failed (reform)
+        self.graveyard = []  # (when to drop them, the process groups) of the generations that failed (reform)
+        self.buried = threading.Lock()  # held while the graveyard changes
 
     def join(self, device_choice):
         """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
@@ -319,12 +320,18 @@ class Team:
 
     def beat(self):
         """The beat thread: every BEAT_S, this rank's steps and median step (beat/<rank>), from which the
-        supervisors learn how long a step takes here; and a wait on the group longer than its timeout
-        (on NCCL nothing else ends it) aborts the generation."""
+        supervisors learn how long a step takes here; a wait on the group longer than its timeout (on
+        NCCL nothing else ends it) aborts the generation; and the broken groups of the graveyard whose
+        time has come are dropped (reform)."""
         import torch.distributed as dist
         from common.dist import collective_timeout_s, oldest_wait_s
         while True:
             time.sleep(BEAT_S)
+            with self.buried:  # the broken groups whose collectives have all timed out go
+                now = time.monotonic()
+                gone = [g for t, g in self.graveyard if t <= now]
+                self.graveyard = [(t, g) for t, g in self.graveyard if t > now]
+            del gone
             steps = list(self.step_times)
             try:
                 self.store.set(f"beat/{self.rank}", f"{len(steps)} {statistics.median(steps) if steps else 0:.6f}")
@@ -411,12 +418,15 @@ class Team:
             raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost: leaving; the job "
                              "restarts whole") from None
         # The broken groups are kept until their collectives in flight have timed out (a gloo group that
-        # goes sooner blocks in its destructor until then); a generation's each a recovery, dropped later.
-        now = time.monotonic()
-        self.graveyard = [(t, g) for t, g in self.graveyard if now - t < 2 * self.timeout_s]
+        # goes sooner blocks in its destructor, the GIL held, until then), then dropped by the beat
+        # thread: a broken gloo group can keep a thread of its own spinning (gloo_tcp_loop, a core's worth,
+        # measured) for as long as it lives.
+        from common.dist import collective_timeout_s
         leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
         if dist.is_initialized():
-            self.graveyard.append((now, list(dist.distributed_c10d._world.pg_map)))
+            with self.buried:
+                self.graveyard.append((time.monotonic() + 2 * collective_timeout_s(),
+                                       list(dist.distributed_c10d._world.pg_map)))
             leave.start()
             leave.join(self.timeout_s)
         if leave.is_alive():
