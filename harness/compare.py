@@ -174,10 +174,10 @@ def measure(clean, crashed, crash_step, world, strategy):
 
 def survivors_recovery(clean, crashed, crash_step, cold_start_s):
     """The same crash with --survivors (the dead rank's place taken by a new process forked from the
-    warm parent, or by a spare; the others keep theirs): crash (rank 0's crashed step) to rank 0's first
-    step after it."""
+    warm parent, or by a spare; the others keep theirs): crash (rank 0's crashed step, the first time) to
+    rank 0's first step after it."""
     ev = crashed["events"]
-    crash_time = max(e["time"] for e in ev if e["event"] == "step" and e["rank"] == 0 and e["step"] == crash_step)
+    crash_time = min(e["time"] for e in ev if e["event"] == "step" and e["rank"] == 0 and e["step"] == crash_step)
     total = phases(ev, crash_time).get("total_s")
     return {"recovery_s": total, "recovery_vs_cold_start": total / cold_start_s if total else None,
             "digest_equal": crashed["summary"]["param_digest"] == clean["summary"]["param_digest"]}
