@@ -404,7 +404,7 @@ class Supervisor:
         ends the job; any other is replaced alone."""
         ended = False
         if self.warm is not None and self.warm.proc.poll() is not None:
-            self.warm_lost(f"died ({'exit ' if self.warm.proc.returncode > 0 else 'signal '}"
+            self.warm_lost(f"died ({'exit ' if self.warm.proc.returncode >= 0 else 'signal '}"
                            f"{abs(self.warm.proc.returncode)})")
         elif self.warm is not None:
             self.warm.ready(0)  # (says so once it is)
