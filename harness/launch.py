@@ -323,8 +323,9 @@ def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nn
     return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file), **several}
 
 
-def supervise(script, nproc, flags, spares, fence_s):
-    """Run this node's part of a --survivors job (tiers/survivors.py's Supervisor) and exit with its status."""
+def supervise(script, nproc, flags, spares, fence_s, workers_env):
+    """Run this node's part of a --survivors job (tiers/survivors.py's Supervisor), whose processes get
+    `workers_env`, and exit with its status."""
     from harness.supervisor import Supervisor
     nnodes, node = nodes(os.environ.get("NNODES")), os.environ.get("NODE_RANK")
     endpoint = os.environ.get("RDZV_ENDPOINT") if nnodes != "1" else None
@@ -336,7 +337,7 @@ def supervise(script, nproc, flags, spares, fence_s):
             sys.exit(2)
         print(f"run.sh: several nodes: the job's store ({endpoint}, on node 0) and gloo trust whoever connects: only "
               "the job's nodes must reach them", file=sys.stderr)
-    env = {**os.environ, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}
+    env = {**workers_env, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}
     supervisor = Supervisor([sys.executable, str(REPO / script), *map(str, flags)], env, nproc, spares,
                             int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE], int(node or 0),
                             int(nnodes), endpoint)
@@ -357,6 +358,10 @@ def main(argv):
     workers grace_for(the run folder) seconds to save (SHUTDOWN_TIMEOUT: another)."""
     checked = argv[:1] == ["--preflight"]
     script, nproc, *flags = argv[1:] if checked else argv
+    workers_env = dict(os.environ)
+    survivors, spares, fence_s = survivors_layout(flags)
+    if survivors:  # read once, as torch loads: the supervisor's lost store would print a C++ stack of 20 frames
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     nnodes = nodes(os.environ.get("NNODES"))
     run_dir = None
     endpoint = os.environ.get("RDZV_ENDPOINT") or "localhost:0"
@@ -371,9 +376,8 @@ def main(argv):
         except socket.gaierror as e:
             print(f"run.sh: RDZV_ENDPOINT={endpoint}: cannot resolve {host} ({e.strerror})", file=sys.stderr)
             sys.exit(2)
-    survivors, spares, fence_s = survivors_layout(flags)
     if survivors:
-        supervise(script, int(nproc), flags, spares, fence_s)
+        supervise(script, int(nproc), flags, spares, fence_s, workers_env)
     if nnodes != "1":  # torch binds none of these to the endpoint's interface
         print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
               "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)

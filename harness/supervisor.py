@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 from harness.launch import dies_with_parent
@@ -15,7 +16,8 @@ from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SL
                              in_network_namespace, vacancy_of)
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
-STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
+STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20
+STORE_LOST_S = 30  # a node whose beat has not reached the store for this long (at least 4 fence_s) leaves the job  # a stopped rank is fenced after 20 of its steps, at least 1 s
 
 
 def serve_store(host, port=0, timeout_s=300):
@@ -325,6 +327,7 @@ class Supervisor:
         try:
             self.store.add(f"node/{self.node}/beat", 1)
             lost = self.store.check([f"node/{self.node}/lost/{self.incarnation}"])
+            self.beaten = time.monotonic()
         except (RuntimeError, dist.DistError) as e:
             self.cut_off = True
             raise StoreLost(str(e).strip()[:100]) from None
@@ -333,6 +336,28 @@ class Supervisor:
             self.kill_all()
             raise SystemExit(f"supervisor: node {self.node} was silent for {self.fence_s:.0f} s and its ranks were "
                              "given to others: its processes killed (fenced); start it again to add its spares")
+
+    def watch_store(self):
+        """A thread of a node other than node 0: cut off, a store call blocks (TCP retransmits, no timeout
+        ends it), so this thread ends the node once its beat has not reached the store for STORE_LOST_S (at
+        least 4 fence_s; node 0 gives its ranks away after fence_s): its processes killed, exit 1."""
+        bound = max(STORE_LOST_S, 4 * self.fence_s)
+        while True:
+            time.sleep(1)
+            if time.monotonic() - self.beaten > bound:
+                self.lost_store(f"no answer for {bound:.0f} s")
+                for proc in list(self.procs.values()) + ([self.warm.proc] if self.warm is not None else []):
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                os._exit(1)
+
+    def lost_store(self, why):
+        # This node cannot tell a dead node 0 from a link cut: node 0, if it lives, gives this node's
+        # ranks to its spares and trains on without it (tests/test_scaleout.py).
+        print(f"supervisor: node {self.node} lost the job's store on node 0 ({why}): this node's processes "
+              "killed, and this node leaves the job (exit 1). If node 0 lives, the job trains on there "
+              "without it (start this node again to add its spares); if not, run the job again: it "
+              "resumes from memory or disk", flush=True)
 
     def kill_all(self):
         for proc in self.procs.values():
@@ -357,6 +382,9 @@ class Supervisor:
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
             signal.signal(number, self.pass_on)
         code, rounds = None, 0
+        self.beaten = time.monotonic()
+        if self.node != 0:
+            threading.Thread(target=self.watch_store, name="watch-store", daemon=True).start()
         try:
             while code is None:
                 rounds += 1
@@ -365,8 +393,7 @@ class Supervisor:
                 code = self.round(fence=rounds % BEAT_ROUNDS == 0)  # deaths every 5 ms, hangs every 0.1 s
                 time.sleep(POLL_S)
         except StoreLost as e:
-            print(f"supervisor: node {self.node} lost the job's store on node 0 ({e}): this node's processes "
-                  "killed; the job restarts whole (run it again: it resumes from memory or disk)", flush=True)
+            self.lost_store(e)
             self.kill_all()
             return 1
         finally:  # spares leave at the end; whatever still runs after a while is killed

@@ -231,7 +231,7 @@ def test_survivors_on_elastic_nodes_or_without_the_launcher_is_refused_in_one_li
         for name, value in (("NODE_RANK", node), ("RDZV_ENDPOINT", endpoint)):
             monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr := io.StringIO()):
-            launch.supervise(SCRIPT, 2, ["--survivors"], 0, 15.0)
+            launch.supervise(SCRIPT, 2, ["--survivors"], 0, 15.0, dict(os.environ))
         assert exit_.value.code == 2 and stderr.getvalue().count("\n") == 1, stderr.getvalue()
         assert "takes a fixed NNODES, each node's NODE_RANK and RDZV_ENDPOINT" in stderr.getvalue()
     monkeypatch.delenv("FT_STORE", raising=False)

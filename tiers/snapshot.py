@@ -121,9 +121,13 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
         return None
     rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     replica = None
-    if replicate and world > local:  # several nodes: a side group, its timeout that of a hang
+    if replicate and world > local:  # several nodes: a side group, its timeout that of a hang once it is formed
+        from common.dist import set_collective_timeout
         from tiers.replica import Replica
-        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.hang_timeout_s))
+        # Formed with the long timeout: on a lossy link, connecting can outlast a hang's (a false alarm's
+        # recovery would end in a crash, and every rank replaced).
+        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        set_collective_timeout(cfg.hang_timeout_s, side)
         replica = Replica(folder, ids[0], rank, (rank + local) % world, (rank - local) % world, side, replicate, FORMAT)
     snapshots = Snapshots(folder, ids[0], rank, group, cfg.snapshot_every, {"world_size": world,
                           "config": dataclasses.asdict(cfg)}, model, optimizer,

@@ -195,6 +195,8 @@ class Team:
         self.node, self.local_slot = divmod(self.slot, STRIDE)
         self.timeout_s, self.hang_timeout_s = timeout_s, hang_timeout_s
         self.rank, self.gen, self.seen = None, None, 0  # seen: the vacancies looked at
+        # The incarnation of this node whose processes these are: node 0 may give its ranks away (lost/<i>)
+        self.incarnation = self.store.add(f"node/{self.node}/incarnation", 0)
         self.lost = False  # a peer was lost in the body of `with team:`
         self.formed = threading.Lock()  # held while a generation is formed: the watcher never interrupts the next
         self.step_times, self.started = collections.deque(maxlen=50), None  # the steps of `with team:`
@@ -245,6 +247,8 @@ class Team:
                 rank, _, node = vacancy
                 if node not in (str(self.node), "any"):  # a rank of another node: its spares' or its restart's
                     continue
+                if self.given_up():  # a spare of a node cut off: the ranks are for the nodes that are not
+                    return None
                 me = f"{self.slot} {os.getpid()}"  # this process, not its slot: a restarted one is another
                 if self.store.compare_set(f"claim/{self.seen}", "", me).decode() == me:
                     if os.environ.get(HANG_AT_CLAIM) == str(self.seen):
@@ -269,6 +273,9 @@ class Team:
         while True:
             if time.monotonic() > deadline:
                 raise SystemExit(f"rank {self.rank}: no generation formed in {self.timeout_s} s: leaving for a restart")
+            if self.given_up():  # its rank is another process's now (posted before the generation began)
+                raise SystemExit(f"rank {self.rank}: node {self.node} was found lost and its ranks given to others: "
+                                 "this process leaves (fenced)")
             self.store.set(f"g{gen}/member/{self.rank}", str(os.getpid()))
             if not self.all_ready(gen, deadline):
                 gen = self.newest()
@@ -293,6 +300,11 @@ class Team:
             resume_waits()
             self.gen = gen
         os.environ[GEN] = str(gen)
+
+    def given_up(self):
+        """Whether node 0 found this node silent (cut off, say) and gave its ranks away: its processes are
+        stale, and must never join a generation, whatever they can reach again."""
+        return self.store.check([f"node/{self.node}/lost/{self.incarnation}"])
 
     def watch(self):
         """The watcher thread: it waits for the abort of this process's generation (g<gen>/abort), written by
@@ -415,8 +427,8 @@ class Team:
             self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
             self.store.add(f"g{failed}/lost", 1)
         except dist.DistNetworkError:
-            raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost: leaving; the job "
-                             "restarts whole") from None
+            raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost or out of reach: "
+                             "leaving (this node's supervisor says what follows)") from None
         # The broken groups are kept until their collectives in flight have timed out (a gloo group that
         # goes sooner blocks in its destructor, the GIL held, until then), then dropped by the beat
         # thread: a broken gloo group can keep a thread of its own spinning (gloo_tcp_loop, a core's worth,
