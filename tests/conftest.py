@@ -128,6 +128,17 @@ def s3(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def cluster():
+    """Two real nodes on this machine (harness/nodes.py: a network namespace and a /dev/shm each), removed
+    when the test ends, however it ends. They need root, as CI has: elsewhere the test is skipped, saying why."""
+    from harness.nodes import Cluster, can_make_nodes
+    if can_make_nodes():
+        pytest.skip(can_make_nodes())
+    with Cluster(2) as made:
+        yield made
+
+
 def wait_for_step(run_dir, step, proc, rank=0):
     """Watch rank `rank`'s metrics until it has completed `step`: its step event, or None if the job ended
     first (a fault meant for that step then never fires, and the test must fail, not pass)."""

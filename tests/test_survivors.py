@@ -257,33 +257,3 @@ def test_fsdp_rank_0_dies_in_an_async_save_a_spare_takes_its_shards_and_the_save
     assert [e["step"] for e in metrics(tmp_path, 0, "load")] == [recovered[0]["step"]]  # from memory, not step 8's
     assert summary(tmp_path)["param_digest"] == summary(fsdp_reference)["param_digest"]
 
-
-def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its_shards_from_the_replica(tmp_path):
-    # Two nodes of one FSDP rank, each with a memory of its own (--snapshot-dir); node 0 runs a spare.
-    # After step 20 node 1 is lost whole: its supervisor and its processes SIGKILLed at once. Rank 0 keeps
-    # its process; node 0's supervisor, finding node 1 silent for --hang-timeout-s, gives rank 1 to its
-    # spare, which takes rank 1's shards and RNG from the replica rank 0 kept (the memory tier's, across
-    # nodes) and its step from the step rank 0 restores: the job ends with an uninterrupted job's weights.
-    script, flags = "fsdp/train.py", [*LONG, "--hang-timeout-s", 2]  # the first disk save at step 60
-    reference = tmp_path / "reference"
-    torchrun(script, 2, reference, *LONG)
-    run, endpoint = tmp_path / "run", f"localhost:{launch.free_port()}"
-
-    def start_node(node, spares):
-        cmd, env = launch.survivors_job(script, 1, run, [*flags, "--snapshot-dir", tmp_path / f"memory-{node}"],
-                                        spares, nnodes=2, node=node, endpoint=endpoint)
-        return launch.start(cmd, env, tmp_path / f"node{node}.log")
-    first, lost = start_node(0, spares=1), start_node(1, spares=0)
-    assert wait_for_step(run, 20, first), "the job ended before step 20: the node was never lost"
-    launch.kill_node(lost)
-    lost_at = time.time()
-    code, output, hung = launch.finish(first, lost_at + 120)
-    assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
-    assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 2 s)" in output
-    assert "ranks [1] had none (a replaced node): their records from the replicas, their shards from the ranks" \
-           " that kept them" in output
-    survivor, recovered = process_story(run, 0)
-    assert len(survivor) == 1 and [e["pid"] for e in recovered] == survivor
-    spare = metrics(run, 1, "start")[-1]
-    assert spare["launched_at"] < lost_at and [e["step"] for e in metrics(run, 1, "load")] == [recovered[0]["step"]]
-    assert summary(run)["param_digest"] == summary(reference)["param_digest"]

@@ -1,0 +1,219 @@
+"""Real nodes on one machine, for the tests and the chaos soak: each node a network namespace of its own (its
+own address, loopback, ports and hostname) joined to the others through a bridge in a namespace of its own
+(the switch), and each node's processes in a mount namespace with a private tmpfs at /dev/shm, which dies
+with them as a node's memory does; the run folder, on this machine's disk, is the nodes' shared storage.
+
+    with Cluster(2) as cluster:
+        node0 = cluster.start(0, ["bash", "run.sh", "ddp", "1", ...], env, log)   # as a user launches a node
+        cluster.cut(1); ...; cluster.heal(1)    # a partition: node 1's link down at the switch, then up
+        cluster.lossy(1, 20)                    # 20 % of node 1's packets dropped, each way
+        cluster.kill(1)                         # lost whole: every process in node 1's namespace SIGKILLed
+
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; packet loss needs nftables, installed from
+Debian's packages when missing. This kernel has no netem: no fixed delay, only a rate limit (slow()).
+The namespaces have no route out: their traffic never leaves them (10.200.0.0/24, not the host's subnet).
+Everything a Cluster makes is removed when it closes, and leftovers of a process that died before it could
+close one (namespaces named ft-<its pid>-...) are removed by the next Cluster.
+"""
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+from harness.launch import REPO
+
+SUBNET = "10.200.0"  # node k is SUBNET.(10 + k)
+PORT = 29500  # the job's endpoint on node 0: each node has ports of its own, so no other program holds it
+NAME = re.compile(r"^ft-(\d+)-\d+-")
+SHM_MB = 1024  # each node's /dev/shm; a tmpfs takes memory only as it is written
+_made = itertools.count()
+
+
+def can_make_nodes():
+    """None if this process can make nodes, else why not (one line)."""
+    if os.geteuid() != 0:
+        return "real nodes need root (network and mount namespaces)"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "real nodes need iproute2's ip and util-linux's unshare"
+    return None
+
+
+def sh(*cmd, check=True):
+    """Run an administrative command; its error in one line if it fails."""
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))}: {(done.stderr or done.stdout).strip()}")
+    return done
+
+
+def namespaces():
+    return [line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.strip()]
+
+
+def pids_in(netns):
+    return [int(p) for p in sh("ip", "netns", "pids", netns, check=False).stdout.split()]
+
+
+def remove(netns):
+    """Kill whatever runs in the namespace, then delete it (its veth ends go with it) and its /etc/netns files."""
+    for pid in pids_in(netns):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sh("ip", "netns", "del", netns, check=False)
+    shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
+
+
+def remove_leftovers():
+    """The namespaces of Clusters whose process died before closing them (never a living process's)."""
+    for netns in namespaces():
+        owner = NAME.match(netns)
+        if owner and not Path(f"/proc/{owner.group(1)}").exists():
+            remove(netns)
+
+
+def need_nft():
+    """nftables' nft, installed once from Debian's packages if missing (the packet-loss fault needs it)."""
+    if shutil.which("nft") is None:
+        sh("apt-get", "install", "-y", "-qq", "--no-install-recommends", "nftables")
+    return shutil.which("nft")
+
+
+class Cluster:
+    """`n` nodes (see the module's docstring): node k's namespace self.netns[k], its address self.address(k)."""
+
+    def __init__(self, n):
+        why = can_make_nodes()
+        if why:
+            raise RuntimeError(why)
+        remove_leftovers()
+        self.tag = f"ft-{os.getpid()}-{next(_made)}"
+        self.switch = f"{self.tag}-sw"
+        self.netns = [f"{self.tag}-n{k}" for k in range(n)]
+        self.procs, self.losses = [], set()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self):
+        sh("ip", "netns", "add", self.switch)
+        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{self.address(k)} {self.hostname(k)}\n" for k in range(len(self.netns)))
+        for k, netns in enumerate(self.netns):
+            sh("ip", "netns", "add", netns)
+            # `ip netns exec` mounts /etc/netns/<name>/hosts over /etc/hosts: each node resolves every node's name
+            # (torchrun's agents publish their hostname), and its own to its own address.
+            (Path("/etc/netns") / netns).mkdir(parents=True, exist_ok=True)
+            (Path("/etc/netns") / netns / "hosts").write_text(hosts)
+            sh("ip", "link", "add", f"v{k}", "netns", self.switch, "type", "veth", "peer", "name", "eth0", "netns", netns)
+            sh("ip", "-n", self.switch, "link", "set", f"v{k}", "master", "br0")
+            sh("ip", "-n", self.switch, "link", "set", f"v{k}", "up")
+            sh("ip", "-n", netns, "addr", "add", f"{self.address(k)}/24", "dev", "eth0")
+            sh("ip", "-n", netns, "link", "set", "eth0", "up")
+            sh("ip", "-n", netns, "link", "set", "lo", "up")
+
+    def address(self, k):
+        return f"{SUBNET}.{10 + k}"
+
+    def hostname(self, k):
+        return f"node{k}.{self.tag}"
+
+    @property
+    def endpoint(self):
+        """host:port of node 0, where a job's store (torchrun's rendezvous, the survivors' store) is served."""
+        return f"{self.address(0)}:{PORT}"
+
+    def env(self, k):
+        """What a node's processes need in their environment: gloo on the node's own interface."""
+        return {"GLOO_SOCKET_IFNAME": "eth0"}
+
+    def start(self, k, cmd, env, log):
+        """Boot node k with one command (a launcher: its processes are its children): in the node's network
+        namespace, a fresh /dev/shm and the node's hostname; in a session of its own, its output to `log`.
+        Returns the Popen (the command itself: ip, unshare and sh each exec the next)."""
+        boot = (f"mount -t tmpfs -o size={SHM_MB}m,mode=1777 ftshm /dev/shm && hostname {self.hostname(k)} "
+                '&& exec "$@"')
+        wrapped = ["ip", "netns", "exec", self.netns[k], "unshare", "--mount", "--uts", "--propagation", "private",
+                   "sh", "-c", boot, "sh", *map(str, cmd)]
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(wrapped, cwd=REPO, env={**env, **self.env(k)}, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.log, proc.env, proc.node = Path(log), env, k
+        self.procs.append(proc)
+        return proc
+
+    def launch(self, k, args, nnodes, log, env=None):
+        """Boot node k with `bash run.sh ARGS` as a cluster user launches a node of a job of `nnodes`:
+        NNODES, NODE_RANK and RDZV_ENDPOINT (node 0's address) set, gloo on the node's interface."""
+        env = {**os.environ, "NNODES": str(nnodes), "NODE_RANK": str(k), "RDZV_ENDPOINT": self.endpoint,
+               "RDZV_ID": self.tag, **(env or {})}
+        return self.start(k, ["bash", "run.sh", *map(str, args)], env, log)
+
+    def kill(self, k):
+        """Lose node k whole, as a power cut would: every process in its namespace SIGKILLed at once (its
+        /dev/shm goes with the last of them). Returns their pids."""
+        pids = pids_in(self.netns[k])
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            if proc.node == k:
+                proc.wait()
+        return pids
+
+    def cut(self, k):
+        """Cut node k off, alive: its link down at the switch. Its packets vanish silently both ways (no
+        reset, no error: to its peers it looks like a hang)."""
+        sh("ip", "-n", self.switch, "link", "set", f"v{k}", "down")
+
+    def heal(self, k):
+        sh("ip", "-n", self.switch, "link", "set", f"v{k}", "up")
+
+    def lossy(self, k, percent):
+        """Drop `percent` % of node k's packets at the switch, each way, at random; lossy(k, 0) ends it."""
+        table = f"loss{k}"
+        if k in self.losses:
+            sh("ip", "netns", "exec", self.switch, "nft", "delete", "table", "bridge", table)
+            self.losses.discard(k)
+        if percent <= 0:
+            return
+        need_nft()
+        drop = f"numgen random mod 100 < {int(percent)} drop"
+        rules = (f"table bridge {table} {{\n  chain forward {{\n    type filter hook forward priority 0; policy accept;\n"
+                 f'    iifname "v{k}" {drop}\n    oifname "v{k}" {drop}\n  }}\n}}\n')
+        done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], input=rules, text=True,
+                              capture_output=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft: {done.stderr.strip()}")
+        self.losses.add(k)
+
+    def slow(self, k, rate="10mbit"):
+        """Limit node k's link to `rate` each way (tbf: delay only under load; this kernel has no netem)."""
+        for netns, dev in ((self.switch, f"v{k}"), (self.netns[k], "eth0")):
+            sh("tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit",
+               "latency", "400ms")
+
+    def close(self):
+        """Kill every node's processes and remove every namespace and file this Cluster made."""
+        for netns in [*self.netns, self.switch]:
+            remove(netns)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
