@@ -78,8 +78,10 @@ def remove_leftovers():
 
 def need_nft():
     """nftables' nft, installed once from Debian's packages if missing (the packet-loss fault needs it)."""
-    if shutil.which("nft") is None:
-        sh("apt-get", "install", "-y", "-qq", "--no-install-recommends", "nftables")
+    install = ("apt-get", "install", "-y", "-qq", "--no-install-recommends", "nftables")
+    if shutil.which("nft") is None and sh(*install, check=False).returncode != 0:
+        sh("apt-get", "update", "-qq")  # a machine with no package lists yet
+        sh(*install)
     return shutil.which("nft")
 
 
