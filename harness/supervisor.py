@@ -397,6 +397,7 @@ class Supervisor:
             self.kill_all()
             return 1
         finally:  # spares leave at the end; whatever still runs after a while is killed
+            self.beaten = float("inf")
             if not self.cut_off:
                 self.end()
             for proc in self.procs.values():
@@ -451,6 +452,7 @@ class Supervisor:
             self.start(slot)
         if ended:
             self.ended = True
+            self.beaten = float("inf")  # the waits below beat no more: not a lost store (watch_store)
             self.end()
             for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
                 with contextlib.suppress(subprocess.TimeoutExpired):
