@@ -13,6 +13,7 @@ the tier has the method, in the order of the list, and knows nothing else of it:
     in_flight()                     what the step overlapped, for its metrics: a dict
     settle()                        a peer was lost (tiers/survivors.py): end what is in flight
     regroup(checkpointer)           the tier opened again over a re-formed process group (None: off)
+    preempted(step)                 the job stops for a restart, `step` committed on disk: what it held of it goes
     finish(done)                    the end of the job (`done`), or a stop: what the tier holds is closed
     summary()                       rank 0's fields of summary.json: a dict
 """
@@ -85,6 +86,7 @@ class BaseCheckpointer:
                 self.save_every = auto_save_every(time.perf_counter() - t0, self.step_times, self.cfg.mtbf_h,
                                                   self.device)
         if stop and step < self.cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
+            self.each("preempted", step)  # (committed: a stop's save is synchronous)
             self.monitor.event("preempted", step=step, signalled_at=self.guard.signalled_at)
             print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
             raise SystemExit(PREEMPTED)

@@ -19,6 +19,7 @@ from common import checkpoint
 from common.checkpoint import checkpoints, step_name
 from common.rundir import lock_run_dir
 from common.config import parse_config
+from tiers.snapshot import default_dir
 from tiers.tokens import write_tokens
 from harness import launch
 from harness.launch import free_port, load_script
@@ -406,6 +407,7 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     assert len(preempted) == 1 and 20 <= preempted[0]["step"] < 120, output[-3000:]
     step = preempted[0]["step"]
     assert "preempted (SIGTERM or SIGUSR1): step" in output and checkpoints(run_dir / "ckpt")[0][0] == step
+    assert not default_dir(run_dir).exists()  # the step is on disk: its memory snapshots went, not held for a requeue
     # The step saved is the one in progress when the first worker got the signal, not one later. A step's
     # line is logged just after the ranks agreed on it, so a signal can fall between the agreement on
     # step s and its line: then s + 1, two past the last line before the signal, is the one in progress.

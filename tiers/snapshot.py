@@ -31,10 +31,10 @@ resumes from memory.
 Its face: open_tier() once, with the model and the optimizer (the tier waits for its copy before each
 optimizer step, as a hook of the optimizer's), handed to the checkpointer, which calls its hooks
 (common/checkpointer.py): after_step starts a snapshot, restore is a resume's first rung, settle and
-regroup a survivor's recovery, finish(done) removes the run's snapshots. Beneath them: start(step);
-held(), what this rank can restore, answered locally; restore_step(step, everyone, group), over
-whatever group the caller gives it; resume(), which settles the step over the world group and
-restores it; remove().
+regroup a survivor's recovery, preempted (a stop's step saved on disk) and finish(done) remove the
+run's snapshots. Beneath them: start(step); held(), what this rank can restore, answered locally;
+restore_step(step, everyone, group), over whatever group the caller gives it; resume(), which settles
+the step over the world group and restores it; remove().
 """
 import contextlib
 import dataclasses
@@ -367,6 +367,12 @@ class Snapshots:
 
     def regroup(self, checkpointer):
         return self.reopen()
+
+    def preempted(self, step):
+        """A stop for a restart (a preemption, a cancel, a time limit): `step`, the newest any slot holds,
+        is committed on disk, so a restart resumes from there and would never restore a snapshot; they go
+        now, not holding the node's memory for a requeue that may land on other nodes, or never come."""
+        self.remove()
 
     def finish(self, done):
         if done:  # the last step is on disk: the memory tier has nothing more to offer
