@@ -21,11 +21,12 @@ STAND_INS = {
             'SLURM_NODEID=1 "${args[@]:0:4}" printenv NODE_RANK > "$STATE/node_rank"\n'
             'echo $$ > "$STATE/step.pid"\n[ -n "${STEP_EXIT:-}" ] && exit "$STEP_EXIT"\n'
             'trap \'kill $!; echo saved >> "$STATE/log"; exit 143\' TERM\ntouch "$STATE/ready"\nsleep 120 & wait $!\n',
-    "scancel": '''if [ -e "$STATE/requeued" ]; then
+    "scancel": '''quiet=0; [ "$1" = --quiet ] && { quiet=1; shift; }  # no error for a job already ending
+if [ -e "$STATE/requeued" ]; then
   echo "scancel: error: Job can not be altered now, try again later" >&2
   while kill -0 "$(cat "$STATE/batch.pid")" 2>/dev/null; do sleep 0.05; done; exit 1
 fi
-[ -e "$STATE/cancelled" ] && { echo "scancel: error: Job/step already completing or completed" >&2; exit 1; }
+[ -e "$STATE/cancelled" ] && { [ $quiet = 1 ] || echo "scancel: error: Job/step already completing or completed" >&2; exit 1; }
 case "$1" in
   --batch) kill -"${2#--signal=}" "$(cat "$STATE/batch.pid")" ;;
   --signal=*) kill -"${1#--signal=}" "$(cat "$STATE/step.pid")" ;;
