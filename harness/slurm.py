@@ -1,0 +1,405 @@
+"""bash run.sh slurm: the README's cluster file (docs/slurm.sbatch) against a real Slurm, on real nodes.
+
+    bash run.sh slurm            # root: installs Debian's slurm-wlm and munge if missing
+
+Two nodes of harness/nodes.py (a network namespace, address, hostname and /dev/shm each); munged on this
+machine (its socket reached from both), slurmctld and one slurmd in node 0, a slurmd in node 1, all in a
+temporary folder of their own (slurm.conf through SLURM_CONF, the munge key and socket, state, spool,
+pid files, logs); nothing in /etc/slurm or /var. The job credential lives 10 s (AuthInfo cred_expire),
+not 120: a requeued job may start again 10 s after it ended. A copy of docs/slurm.sbatch is submitted,
+changed only where this machine needs it (no GPUs, the tiny model, a run folder of the check's own); the
+rest comes as sbatch options (--nodes, --cpus-per-task, --chdir, --output). Each fault lands at a step
+(the job's metrics are watched), never after a guessed delay. The checks, each read from Slurm
+(`scontrol show job`, the job completion log) and the job's files:
+    survivors  --survivors on 2 nodes (NODE_RANK from SLURM_NODEID, a spare a node): COMPLETED 0:0, summary.json
+    cancel     a plain scancel: CANCELLED, the step saved, no snapshot left in a node's /dev/shm, no scancel error
+    requeue    scontrol requeue: requeued once, the rerun resumes from the saved step (0 lost), no scancel error
+    stop       a bad flag (exit 2): FAILED 2:0, not requeued
+Prints a table of the checks and their times; exits 1 if one failed (one line each), 0 if all passed,
+2 if Slurm cannot be set up here (one line). Everything it starts is stopped and removed however it ends.
+"""
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.launch import REPO  # noqa: E402
+from harness.metrics import Watch  # noqa: E402
+from harness.nodes import Cluster, can_make_nodes, sh  # noqa: E402
+
+NODES = 2
+CRED_EXPIRE_S = 10  # how long a requeued job is held (Slurm's default: 120 s)
+POLL_S = 0.05  # how often Slurm's state is read while a check waits for it
+TINY = "--preset tiny --steps {steps} --save-every 10 --log-every 1"  # the file's 1b FSDP job, made tiny
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE")
+
+
+def need_slurm():
+    """Debian's slurm-wlm and munge, installed once if missing (apt-get update first where it must)."""
+    install = ("apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge")
+    if not all(shutil.which(p) for p in ("slurmctld", "slurmd", "sbatch", "munged")):
+        if sh(*install, check=False).returncode != 0:
+            sh("apt-get", "update", "-qq")  # a machine with no package lists yet
+            sh(*install)
+
+
+SLURM_CONF = """\
+ClusterName=ftcheck
+SlurmctldHost=node0({addr0})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket},cred_expire={cred_expire}
+StateSaveLocation={top}/state
+SlurmdSpoolDir={top}/spool/%n
+SlurmctldPidFile={top}/slurmctld.pid
+SlurmdPidFile={top}/slurmd-%n.pid
+SlurmctldLogFile={top}/log/slurmctld.log
+SlurmdLogFile={top}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={top}/log/jobcomp.txt
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+MinJobAge=600
+KillWait=30
+{nodes}
+PartitionName=check Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class Slurm:
+    """munged, slurmctld and a slurmd a node of `cluster`, in the folder `top`; stop() ends them all."""
+
+    def __init__(self, cluster, top):
+        self.cluster, self.top, self.procs = cluster, Path(top), []
+        for sub in ("state", "log", "munge", *(f"spool/node{k}" for k in range(len(cluster.netns)))):
+            (self.top / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.top / "munge", 0o700)
+        self.env = {**os.environ, "SLURM_CONF": str(self.top / "slurm.conf")}
+        key = self.top / "munge" / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
+        self.munge_socket = self.top / "munge" / "munge.socket"
+        # munged on this machine: its Unix socket is a file, reached from every node's namespace
+        self.munged = subprocess.Popen(
+            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
+             f"--pid-file={self.top / 'munge' / 'munged.pid'}", f"--log-file={self.top / 'log' / 'munged.log'}",
+             f"--seed-file={self.top / 'munge' / 'munged.seed'}"],
+            stdout=subprocess.DEVNULL, stderr=open(self.top / "log" / "munged.err", "w"), start_new_session=True)
+        nodes = "\n".join(f"NodeName=node{k} NodeAddr={cluster.address(k)} CPUs=2 State=UNKNOWN"
+                          for k in range(len(cluster.netns)))
+        (self.top / "slurm.conf").write_text(SLURM_CONF.format(
+            addr0=cluster.address(0), munge_socket=self.munge_socket, cred_expire=CRED_EXPIRE_S, top=self.top,
+            nodes=nodes))
+        # slurmd needs a cgroup plugin even with proctrack/pgid and task/none (which use none), and `ip netns
+        # exec` mounts a fresh /sys without the cgroup trees: it reads this machine's through /proc.
+        (self.top / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint=/proc/{os.getpid()}/root"
+                                              "/sys/fs/cgroup\n")
+        for k, netns in enumerate(cluster.netns):  # Slurm names the nodes node<k>: each resolves every node's name
+            hosts = Path("/etc/netns") / netns / "hosts"
+            hosts.write_text(hosts.read_text() + "".join(f"{cluster.address(j)} node{j}\n"
+                                                         for j in range(len(cluster.netns))))
+        self.ctld, self.slurmd = None, []
+        try:
+            self.wait_for(lambda: self.munge_socket.exists(), "munged", self.munged, 10)
+            self.ctld = cluster.start(0, ["slurmctld", "-D", "-i"], self.env, self.top / "log" / "slurmctld.out")
+            self.slurmd = [cluster.start(k, ["slurmd", "-D", "-N", f"node{k}"], self.env,
+                                         self.top / "log" / f"slurmd-node{k}.out") for k in range(len(cluster.netns))]
+            self.wait_for(lambda: self.idle_nodes() == len(cluster.netns), "the nodes to be idle", self.ctld, 60)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_for(self, ready, what, proc, timeout_s):
+        deadline = time.time() + timeout_s
+        while not ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what}: {proc.args[0] if isinstance(proc.args, list) else proc.args} exited "
+                                   f"{proc.returncode} (logs in {self.top / 'log'})")
+            if time.time() > deadline:
+                raise RuntimeError(f"{what}: not after {timeout_s} s (logs in {self.top / 'log'})")
+            time.sleep(POLL_S)  # polling Slurm's state, not waiting for a guessed moment
+
+    def run(self, *cmd, check=True):
+        """A Slurm command, as a user on node 0 types it (this machine has no route to the nodes)."""
+        done = subprocess.run(["ip", "netns", "exec", self.cluster.netns[0], *map(str, cmd)], env=self.env,
+                              capture_output=True, text=True)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, cmd))}: {(done.stderr or done.stdout).strip()}")
+        return done
+
+    def idle_nodes(self):
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
+        return sum(state == "idle" for state in out[1::2])
+
+    def snapshots_on(self, k):
+        """The memory tier's folders in node k's /dev/shm (seen through its slurmd's mount namespace)."""
+        return sorted(p.name for p in Path(f"/proc/{self.slurmd[k].pid}/root/dev/shm").glob("snapshots-*"))
+
+    def stop(self):
+        """Every daemon TERMed, then KILLed (its process group) if it has not ended within 10 s."""
+        procs = [proc for proc in (*self.slurmd, self.ctld, self.munged) if proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class Job:
+    """A batch job of `slurm`'s: its state from `scontrol show job` (read at most every 0.5 s), its log."""
+
+    def __init__(self, slurm, job_id, run_dir, log):
+        self.slurm, self.id, self.run_dir, self.log = slurm, job_id, Path(run_dir), Path(log)
+        self.fields, self.read_at = {}, 0.0
+
+    def show(self):
+        if time.time() - self.read_at > 0.5:
+            out = self.slurm.run("scontrol", "-o", "show", "job", self.id).stdout
+            self.fields = dict(re.findall(r"(\S+?)=(\S*)", out))
+            self.read_at = time.time()
+        return self.fields
+
+    def poll(self):
+        """The job's final state once it has ended (not while requeued), else None: a Watch's `proc`."""
+        state = self.show().get("JobState")
+        return state if state in ENDED else None
+
+    def wait(self, timeout_s):
+        deadline = time.time() + timeout_s
+        while self.poll() is None:
+            if time.time() > deadline:
+                raise TimeoutError(f"job {self.id} still {self.fields.get('JobState')} after {timeout_s} s")
+            time.sleep(POLL_S)  # polling Slurm's state, not waiting for a guessed moment
+        return self.fields
+
+    def completion(self):
+        """The job's records in Slurm's job completion log (one per end: a requeue's too)."""
+        path = self.slurm.top / "log" / "jobcomp.txt"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [dict(re.findall(r"(\S+?)=(\S*)", line)) for line in lines if line.startswith(f"JobId={self.id} ")]
+
+    def text(self):
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def batch_file(run_dir, steps, extra=""):
+    """docs/slurm.sbatch as submitted here: without its GPUs, its job's model tiny, its run folder ours."""
+    text = (REPO / "docs" / "slurm.sbatch").read_text()
+    line = re.compile(r"bash run\.sh fsdp 8 [^\n]*")
+    if "#SBATCH --gpus-per-node=8\n" not in text or len(line.findall(text)) != 1:
+        raise RuntimeError("docs/slurm.sbatch has changed: its GPU line or its `bash run.sh fsdp 8 ...` line is "
+                           "not there (update harness/slurm.py's batch_file)")
+    text = text.replace("#SBATCH --gpus-per-node=8\n", "")
+    return line.sub(f"bash run.sh fsdp 1 {TINY.format(steps=steps)} --lr 3e-4 --min-lr 3e-5 {extra}"
+                    f'--run-dir "{run_dir}"'.replace("  ", " "), text)
+
+
+class Check:
+    """The checks' common ground: a job submitted, its problems collected (one line each)."""
+
+    def __init__(self, slurm, folder):
+        self.slurm, self.folder, self.problems = slurm, Path(folder), []
+
+    def submit(self, name, steps, extra=""):
+        run_dir = self.folder / name
+        run_dir.mkdir(parents=True)
+        script = self.folder / f"{name}.sbatch"
+        script.write_text(batch_file(run_dir, steps, extra))
+        log = self.folder / f"{name}.out"
+        out = self.slurm.run("sbatch", "--parsable", f"--job-name={name}", f"--nodes={NODES}", "--cpus-per-task=1",
+                             f"--chdir={REPO}", f"--output={log}", script).stdout
+        return Job(self.slurm, out.strip().split(";")[0], run_dir, log)
+
+    def expect(self, ok, line):
+        if not ok:
+            self.problems.append(line)
+        return ok
+
+    def ended(self, job, state, exit_code, restarts, timeout_s=300):
+        """The job's end as Slurm has it: its state, exit code and restarts in `scontrol show job`, and the
+        same state in the last completion record."""
+        fields = job.wait(timeout_s)
+        got = (fields.get("JobState"), fields.get("ExitCode"), int(fields.get("Restarts", -1)))
+        self.expect(got == (state, exit_code, restarts), f"job {job.id}: {got[0]} exit {got[1]} after {got[2]} "
+                    f"requeues, expected {state} exit {exit_code} after {restarts}")
+        records = job.completion()
+        self.expect(records and records[-1].get("JobState") == state, f"job {job.id}: the completion log says "
+                    f"{records[-1].get('JobState') if records else 'nothing'}, expected {state}")
+
+    def clean_log(self, job):
+        """No scancel error, and no Traceback but torchrun's agent's own on the TERM it gets with its workers."""
+        text = job.text()
+        self.expect("scancel: error" not in text, f"job {job.id}: its log has 'scancel: error'")
+        agents = len(re.findall(r"SignalException: Process \d+ got signal: 15", text))
+        self.expect(text.count("Traceback (most recent call last)") == agents,
+                    f"job {job.id}: its log has a Traceback (not torchrun's SignalException on TERM)")
+
+    def no_snapshots(self, job, when):
+        for k in range(NODES):
+            left = self.slurm.snapshots_on(k)
+            self.expect(not left, f"job {job.id}: node {k}'s /dev/shm still holds {', '.join(left)} {when}")
+
+    def at_step(self, job, step, act):
+        """act() once rank 0 has completed `step` (its metrics watched); False if the job ended first."""
+        if Watch(job.run_dir).first("step", job, min_step=step, deadline=time.time() + 300) is None:
+            return self.expect(False, f"job {job.id} ended ({job.fields.get('JobState')}) or timed out before "
+                               f"step {step}: the fault never fired")
+        act()
+        return True
+
+    def preempted(self, job):
+        """The step the first attempt saved at its stop (its 'preempted' event), or None."""
+        saved = [e for e in Watch(job.run_dir).poll() if e["rank"] == 0 and e["event"] == "preempted"]
+        return saved[0]["step"] if saved else None
+
+
+def survivors(check):
+    """--survivors on 2 nodes, each node's NODE_RANK from SLURM_NODEID, a spare a node: COMPLETED 0:0."""
+    steps = 30
+    job = check.submit("survivors", steps, "--survivors --spares 1 --hang-timeout-s 5 ")
+    check.ended(job, "COMPLETED", "0:0", 0)
+    summary = job.run_dir / "summary.json"
+    if check.expect(summary.exists(), f"job {job.id}: no summary.json"):
+        got = json.loads(summary.read_text())
+        check.expect((got.get("steps"), got.get("world_size")) == (steps, NODES),
+                     f"job {job.id}: summary.json has step {got.get('steps')} at world size {got.get('world_size')}, "
+                     f"expected {steps} at {NODES}")
+    for k in range(NODES):  # the supervisor's line, from each node's NODE_RANK
+        check.expect(f"spares on node {k} of {NODES}" in job.text(), f"job {job.id}: no node said it was node {k}")
+    check.clean_log(job)
+    check.no_snapshots(job, "after it finished")
+
+
+def cancel(check):
+    """A plain scancel: CANCELLED, the step in progress saved, no snapshot left in /dev/shm, not requeued."""
+    job = check.submit("cancel", 100000)
+    if not check.at_step(job, 20, lambda: check.slurm.run("scancel", job.id)):
+        return check.slurm.run("scancel", job.id, check=False)
+    check.ended(job, "CANCELLED", "143:0", 0)  # the file's exit: its step's, the workers saved and exited 143
+    step = check.preempted(job)
+    committed = [int(p.name.split("-")[1].split(".")[0]) for p in (job.run_dir / "ckpt").glob("step-*")]
+    check.expect(step is not None and step >= 20 and max(committed, default=None) == step,
+                 f"job {job.id}: saved step {step}, newest on disk {max(committed, default=None)}")
+    check.clean_log(job)
+    check.no_snapshots(job, "after its cancel")
+
+
+def requeue(check, name, how):
+    """`how` at step 20 (scontrol requeue, or USR1 to the batch shell): requeued once, the rerun resumes from
+    the step saved (0 lost) and finishes, no scancel error in the log."""
+    steps = 80
+    job = check.submit(name, steps)
+    if not check.at_step(job, 20, lambda: check.slurm.run(*how.split(), job.id)):
+        return check.slurm.run("scancel", job.id, check=False)
+    check.ended(job, "COMPLETED", "0:0", 1)
+    step = check.preempted(job)
+    check.expect(step is not None and f"resuming from step {step}" in job.text(),
+                 f"job {job.id}: saved step {step}, the rerun did not resume from it")
+    summary = job.run_dir / "summary.json"
+    got = json.loads(summary.read_text()) if summary.exists() else {}
+    check.expect(got.get("steps") == steps and got.get("resumed_from_step") == step,
+                 f"job {job.id}: summary.json has step {got.get('steps')}, resumed from {got.get('resumed_from_step')}"
+                 f", expected {steps} from {step}")
+    check.clean_log(job)
+    check.no_snapshots(job, "after it finished")
+
+
+def stop(check):
+    """A bad flag: run.sh refuses it in one line, exit 2; the job FAILED 2:0, not requeued."""
+    job = check.submit("stop", 10, "--no-such-flag ")
+    check.ended(job, "FAILED", "2:0", 0)
+    check.expect("--no-such-flag" in job.text(), f"job {job.id}: its log does not name the bad flag")
+    check.clean_log(job)
+
+
+CHECKS = {  # name: (what it shows, the check)
+    "survivors": ("--survivors on 2 nodes: COMPLETED 0:0, summary.json", survivors),
+    "cancel": ("scancel: CANCELLED, step saved, /dev/shm empty", cancel),
+    "requeue": ("scontrol requeue: requeued once, resumed, 0 steps lost",
+                lambda check: requeue(check, "requeue", "scontrol requeue")),
+    "usr1": ("USR1 to the batch shell: requeued once, resumed, 0 lost",
+             lambda check: requeue(check, "usr1", "scancel --batch --signal=USR1")),
+    "stop": ("a bad flag: FAILED 2:0, not requeued", stop),
+}
+
+
+def main():
+    from tabulate import tabulate
+    from common.config import Parser
+    p = Parser(prog="bash run.sh slurm", description=__doc__.split("\n")[0])
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"which, comma-separated (default: all: {','.join(CHECKS)})")
+    p.add_argument("--keep", action="store_true", help="keep the folder of the daemons' and jobs' files")
+    args = p.parse_args()
+    names = args.checks.split(",")
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        p.error(f"--checks: no check {unknown[0]!r} (there are {', '.join(CHECKS)})")
+    why = can_make_nodes()
+    if why:
+        print(f"run.sh slurm: {why}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    top = Path(tempfile.mkdtemp(prefix="ft-slurm-"))
+    rows, failed = [], False
+    try:
+        need_slurm()
+        with Cluster(NODES) as cluster:
+            slurm = Slurm(cluster, top / "slurm")
+            try:
+                rows.append(["start", "passed", f"{time.time() - t0:.0f}", "munged, slurmctld, a slurmd a node"])
+                for name in names:
+                    check, started = Check(slurm, top / "jobs"), time.time()
+                    try:
+                        CHECKS[name][1](check)
+                    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+                        check.problems.append(str(e).strip().splitlines()[0])
+                    for line in check.problems:
+                        print(f"slurm check {name}: {line}", flush=True)
+                    failed |= bool(check.problems)
+                    rows.append([name, "FAILED" if check.problems else "passed", f"{time.time() - started:.0f}",
+                                 CHECKS[name][0]])
+            finally:
+                slurm.stop()
+    except RuntimeError as e:
+        print(f"run.sh slurm: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"the daemons' and jobs' files: {top}")
+        else:
+            shutil.rmtree(top, ignore_errors=True)
+    print(tabulate(rows, headers=["check", "result", "s", "what"]))
+    print(f"{'FAILED' if failed else 'passed'}: {sum(r[1] == 'passed' for r in rows[1:])} of {len(rows) - 1} checks passed, "
+          f"{time.time() - t0:.0f} s in all")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
