@@ -136,18 +136,22 @@ class Cluster:
         """What a node's processes need in their environment: gloo on the node's own interface."""
         return {"GLOO_SOCKET_IFNAME": "eth0"}
 
-    def start(self, k, cmd, env, log):
-        """Boot node k with one command (a launcher: its processes are its children): in the node's network
-        namespace, a fresh /dev/shm and the node's hostname; in a session of its own, its output to `log`.
-        Returns the Popen (the command itself: ip, unshare and sh each exec the next)."""
+    def wrap(self, k, cmd):
+        """`cmd` as run on node k: in the node's network namespace, with a fresh /dev/shm and the node's
+        hostname (ip, unshare and sh each exec the next: the process is the command's). Its environment
+        needs self.env(k)."""
         boot = (f"mount -t tmpfs -o size={SHM_MB}m,mode=1777 ftshm /dev/shm && hostname {self.hostname(k)} "
                 '&& exec "$@"')
-        wrapped = ["ip", "netns", "exec", self.netns[k], "unshare", "--mount", "--uts", "--propagation", "private",
-                   "sh", "-c", boot, "sh", *map(str, cmd)]
+        return ["ip", "netns", "exec", self.netns[k], "unshare", "--mount", "--uts", "--propagation", "private",
+                "sh", "-c", boot, "sh", *map(str, cmd)]
+
+    def start(self, k, cmd, env, log):
+        """Boot node k with one command (a launcher: its processes are its children), wrapped (wrap()), in
+        a session of its own, its output to `log`. Returns the Popen."""
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
-            proc = subprocess.Popen(wrapped, cwd=REPO, env={**env, **self.env(k)}, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(self.wrap(k, cmd), cwd=REPO, env={**env, **self.env(k)}, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         proc.log, proc.env, proc.node = Path(log), env, k
         self.procs.append(proc)
         return proc
