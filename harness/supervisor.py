@@ -335,7 +335,8 @@ class Supervisor:
             self.cut_off = True
             self.kill_all()
             raise SystemExit(f"supervisor: node {self.node} was silent for {self.fence_s:.0f} s and its ranks were "
-                             "given to others: its processes killed (fenced); start it again to add its spares")
+                             "given to others: its processes killed (fenced), and this node leaves the job (exit 1); "
+                             "the job trains on without it (start this node again to add its spares)")
 
     def watch_store(self):
         """A thread of a node other than node 0: cut off, a store call blocks (TCP retransmits, no timeout
