@@ -5,6 +5,7 @@
     bash run.sh chaos --strategies fsdp --trials 10
     bash run.sh chaos --plan sigstop:ddp,async-in-flight:fsdp-async --ranks 1   # these trials, smallest jobs
     bash run.sh chaos --plan node-lost:fsdp,preempt:ddp --ranks 2   # two nodes of 2 ranks, one lost; a preemption
+    bash run.sh chaos --nodes --ranks 1             # root: the --nodes kinds once each, on real nodes
 
 Faults (FAULTS, one FaultKind each), each at a step drawn at random, never at a moment in time, so that it always lands
 in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
@@ -26,6 +27,9 @@ spare-killed (the spare SIGKILLed, then a rank), replacement-killed (a rank SIGK
 process that takes its place, as it joins), node-lost (two nodes of --ranks each, node 1 lost whole:
 node 0's spare takes its ranks; those left to no spare wait for a new node 1, started with an empty
 memory; the job keeps its size). Their trials also fail if a survivor's process started again.
+With --nodes, the kinds on real nodes (harness/nodes.py; see "real nodes" below): a node killed whole,
+cut off shorter and longer than --hang-timeout-s, node 0 (rank 0 and the job's store) cut off, a lossy
+link, two nodes lost one after the other; for torchrun (c10d) and --survivors.
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
 its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
@@ -71,6 +75,7 @@ from common.config import Parser  # noqa: E402
 from harness.launch import (STRATEGIES, children, finish, free_port, kill_node, problems, start,  # noqa: E402
                             survivors_job, torchrun, workers)
 from harness.metrics import Watch, events, final_history, phases  # noqa: E402
+from harness.nodes import Cluster, can_make_nodes, pids_in  # noqa: E402
 from harness.s3server import BUCKET, S3Server  # noqa: E402
 
 STEPS, SAVE_EVERY, BATCH = 48, 8, 24
@@ -184,6 +189,15 @@ class Job:
     hit: Optional[Hit] = None  # the (last) fault fired from outside, if one was
     lost: Optional[subprocess.Popen] = None  # node-lost: node 1's agent (--survivors: supervisor)
     relaunch: Optional[Callable] = None  # node-lost, --survivors without a spare: starts a new node 1
+    # --nodes kinds (real nodes, harness/nodes.py): the Cluster, node k's launcher (k > 0; node 0's is proc),
+    # boot(k) that starts node k (again), the nodes lost or left, the cut-off side's processes and when it was cut
+    cluster: object = None
+    nodes: dict = field(default_factory=dict)
+    boot: Optional[Callable] = None
+    gone: list = field(default_factory=list)
+    left: list = field(default_factory=list)  # (node, exit code, output) of a node that left the job, cut off
+    cut_pids: list = field(default_factory=list)
+    cut_at: Optional[float] = None
     preempted: Optional[dict] = None  # preempt: the first launch's 'preempted' event
     hidden: Optional[Path] = None  # transient-read: the hidden checkpoint, its files' bytes, where they went back
     original: Optional[dict] = None
@@ -608,6 +622,181 @@ def no_step_lost(job):
     return wrong
 
 
+# ----------------------------------------------------------------------------- real nodes (--nodes)
+# The --nodes kinds run on real nodes (harness/nodes.py: a network namespace, address and /dev/shm a node;
+# root). A node is cut off for less, then for more than --hang-timeout-s (5 s, HANG_FLAGS_DEFAULT): its
+# link is down for that long at the switch. Its packets are lost at LOSS_PERCENT for LOSSY_S.
+CUT_SHORT_S, CUT_LONG_S = 1, 15
+LOSS_PERCENT, LOSSY_S = 20, 10
+
+
+def on_nodes(job):
+    """A job of the kind's nodes, --ranks processes each, launched as a cluster's nodes are: torchrun's
+    agents at one c10d rendezvous on node 0's address (NNODES=1:N where the kind loses nodes for good:
+    the others go on without them; else N:N, which waits for a node cut off to come back), or the
+    --survivors supervisors, node 0 with the strategy's spares for every other node's ranks (none:
+    a lost node is started again, with an empty memory). Nodes 1.. start here; node 0's command, in
+    its namespaces, is returned."""
+    kind, strategy = FAULTS[job.trial.kind], job.trial.strategy
+    n = kind.nodes
+    nproc = job.trial.processes // n
+    job.cluster = Cluster(n)
+    job.flags += HANG_FLAGS_DEFAULT  # a collective times out, a silent node is found lost, in 5 s
+    job.deadline += 120
+    spares = nproc * (n - 1) if "--spares" in job.flags else 0
+
+    def command(k):
+        if strategy in SURVIVORS:
+            return survivors_job(job.script, nproc, job.run_dir, plain(job.flags), spares=spares if k == 0 else 0,
+                                 nnodes=n, node=k, endpoint=job.cluster.endpoint)
+        return torchrun(job.script, nproc, job.run_dir, job.flags, nnodes=f"{1 if kind.elastic else n}:{n}",
+                        endpoint=job.cluster.endpoint, rdzv_id=job.cluster.tag, env=ONE_THREAD)
+
+    def boot(k):
+        cmd, env = command(k)
+        return job.cluster.start(k, cmd, {**env, **ONE_THREAD}, f"{job.run_dir}-node{k}-{len(job.gone)}.log")
+    job.boot = boot
+    job.nodes = {k: boot(k) for k in range(1, n)}
+    cmd, env = command(0)
+    return job.cluster.wrap(0, cmd), {**env, **ONE_THREAD, **job.cluster.env(0)}
+
+
+def replaced_if_needed(job, k):
+    """A node lost or gone: --survivors with no spare to take its ranks start it again, empty; torchrun's
+    elastic job goes on without it."""
+    job.gone.append(k)
+    lost = job.nodes.pop(k)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        lost.wait(timeout=1)  # killed whole: reaped; cut off and left: already finished
+    if job.trial.strategy in SURVIVORS and "--spares" not in job.flags:
+        job.nodes[k] = job.boot(k)
+
+
+def kill_nodes(*order):
+    """Node k killed whole (every process in its namespace SIGKILLed) after a random step with a
+    checkpoint before it; each next one once the job trains again after the previous loss, two steps on."""
+    def fire(job):
+        step = job.rng.randint(SAVE_EVERY + 1, STEPS - MARGIN - 4 * len(order))
+        for k in order:
+            hit = at_step(job, step, None, lambda: bool(job.cluster.kill(k)))
+            if hit is None:
+                return
+            job.hit = hit
+            replaced_if_needed(job, k)
+            if job.watch.until(lambda e: e["rank"] == 0 and e["event"] in ("start", "recovered")
+                               and e["time"] > hit.time, job.proc, job.deadline) is None:
+                return
+            step = job.watch.latest_step() + 2
+    return fire
+
+
+def after_save(job, fault):
+    """fault() just after rank 0 logged a random save (not the first, before the margin): a cut there
+    meets the steps' collective timeout (--hang-timeout-s), not a save's (--timeout-s, which waits out a
+    cut as it would a slow disk); the next save is SAVE_EVERY steps on. Returns its Hit, or None."""
+    step = SAVE_EVERY * job.rng.randint(2, (STEPS - MARGIN) // SAVE_EVERY)
+    if job.watch.first("save", job.proc, job.deadline, min_step=step) is None or not fault():
+        return None
+    return Hit(time.time(), job.watch.latest_step())
+
+
+def cut_node(k, seconds):
+    """Node k cut off (alive) for `seconds` after a random save (after_save), then healed. --survivors: where the cut
+    outlasts the hang timeout, node 1 (cut off itself, or from node 0's store) must leave the job, exit 1;
+    its processes' pids are kept (cut_pids), to check that none trained or saved after the cut."""
+    def fire(job):
+        def cut():
+            job.cut_pids = pids_in(job.cluster.netns[1])
+            job.cluster.cut(k)
+            job.cut_at = time.time()
+            return True
+        job.hit = after_save(job, cut)
+        if job.hit is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.proc.wait(timeout=seconds)  # the cut's length: the fault itself
+        job.cluster.heal(k)
+        if job.trial.strategy in SURVIVORS and seconds > HANG_FLAGS_DEFAULT[1]:
+            code, output, _ = finish(job.nodes[1], job.deadline)
+            job.left.append((1, code, output))
+            replaced_if_needed(job, 1)
+    return fire
+
+
+def lossy_link(job):
+    """LOSS_PERCENT of node 1's packets dropped, each way, from a random step for LOSSY_S seconds (in
+    steps it could last minutes: at 20 % loss TCP's retransmissions back off, and a step can take 100 s)."""
+    job.hit = at_step(job, job.rng.randint(SAVE_EVERY + 1, STEPS - MARGIN), None,
+                      lambda: job.cluster.lossy(1, LOSS_PERCENT) is None)
+    if job.hit is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.proc.wait(timeout=LOSSY_S)  # the loss's length: the fault itself
+        job.cluster.lossy(1, 0)
+
+
+def nodes_ended(job):
+    """Once node 0 ended: every other node's launcher, which must exit 0 too (the job over), but a node
+    that left, cut off: exit 1, saying so, and after the cut no step or save by its processes (at most
+    one side trains and commits)."""
+    wrong = []
+    for k, proc in job.nodes.items():
+        code, output, hung = finish(proc, job.deadline)
+        job.output += output
+        if code != 0 or hung:
+            wrong.append(f"node {k} {'hung' if hung else f'exited {code}'}")
+    for k, code, output in job.left:
+        job.output += output
+        if code != 1 or "this node leaves the job" not in output:
+            wrong.append(f"node {k}, cut off, exited {code} without saying it leaves the job")
+    late = given_up_wrote(job) if job.left else []
+    if late:
+        wrong.append(f"the side that left trained or saved after the cut (rank, event, step): {late}")
+    if job.summary and job.summary["world_size"] != node_world(job):
+        wrong.append(f"ended at world size {job.summary['world_size']}, not {node_world(job)}")
+    return wrong
+
+
+def given_up_wrote(job):
+    """The steps and saves written by the processes of the side that left, after the cut (a second on: a
+    step in flight may end): of each rank one of them held, until another process starts in it."""
+    starts = [e for e in job.events if e["event"] == "start"]
+    held = {e["rank"] for e in starts if e["pid"] in job.cut_pids}
+    wrote = []
+    for rank in held:
+        taken = min((e["time"] for e in starts if e["rank"] == rank and e["pid"] not in job.cut_pids
+                     and e["time"] > job.cut_at), default=float("inf"))
+        wrote += [(rank, e["event"], e["step"]) for e in job.events if e["rank"] == rank
+                  and e["event"] in ("step", "save") and job.cut_at + 1 < e["time"] < taken]
+    return wrote
+
+
+def node_world(job):
+    """The world size a --nodes job ends with: its own, but an elastic torchrun job's without its lost nodes."""
+    kind = FAULTS[job.trial.kind]
+    lost = len(job.gone) if kind.elastic and job.trial.strategy not in SURVIVORS else 0
+    return job.trial.processes // kind.nodes * (kind.nodes - lost)
+
+
+def node_expected(job):
+    """The reference's digest; after an elastic job lost nodes, the reference's checkpoints resumed at
+    each smaller size in turn, from the steps the job resumed from (resumed_from)."""
+    if node_world(job) == job.trial.processes:
+        return job.ref.digest
+    ref, nproc = job.ref, job.trial.processes // FAULTS[job.trial.kind].nodes
+    for i, step in enumerate(resumed_from(job)):
+        size = job.trial.processes - nproc * (i + 1)
+        digest = resumed_reference(job.trial.strategy, ref, size, step, f"{job.run_dir}-reference-{i}")
+        ref = dataclasses.replace(ref, digest=digest, run_dir=f"{job.run_dir}-reference-{i}")
+    return ref.digest
+
+
+def resumed_from(job):
+    """The step each of an elastic job's restarts (attempts 1..) resumed from, by rank 0's start events."""
+    starts = sorted((e for e in job.events if e["rank"] == 0 and e["event"] == "start" and e["attempt"] > 0),
+                    key=lambda e: e["time"])
+    return [e["resumed_from_step"] for e in starts]
+
+
 # ----------------------------------------------------------------------------- the fault kinds
 @dataclass
 class FaultKind:
@@ -627,6 +816,8 @@ class FaultKind:
     checks: Callable = lambda job: []  # problems beyond those of every trial
     expected: Callable = lambda job: job.ref.digest  # the digest the job's summary must have
     lost_processes: bool = False  # a process dies and the node lives: the memory tier replays at most a step
+    real_nodes: bool = False  # on real nodes (harness/nodes.py, root): a --nodes kind
+    elastic: bool = False  # --nodes, torchrun: NNODES=1:N (the others go on without a lost node), not N:N
 
 
 FAULTS = {kind.name: kind for kind in [
@@ -660,8 +851,19 @@ FAULTS = {kind.name: kind for kind in [
     FaultKind("preempt", strategies=DATA_PARALLEL, restarts=0, relaunch_timed=True, fire=preempt_agent,
               checks=no_step_lost),
     FaultKind("disk-lost", restarts=0, prepare=lose_the_disk, fired=lambda job: True, checks=fetched_archived),
-]}
-KINDS = list(FAULTS)
+] + [FaultKind(name, DATA_PARALLEL + SURVIVORS, nodes=nodes, restarts=restarts, real_nodes=True, elastic=elastic,
+               launch=on_nodes, fire=fire, checks=nodes_ended, expected=node_expected)
+     for name, nodes, restarts, elastic, fire in [
+         # (restarts: torchrun's, or the survivors' generations; None: any, a false alarm costs one)
+         ("node-killed", 2, 1, True, kill_nodes(1)),
+         ("node-cut-short", 2, 0, False, cut_node(1, CUT_SHORT_S)),  # TCP retransmits: nobody notices
+         ("node-cut-long", 2, 1, False, cut_node(1, CUT_LONG_S)),
+         ("node0-cut", 2, 1, False, cut_node(0, CUT_LONG_S)),  # rank 0 and the job's store cut off
+         ("lossy-link", 2, None, False, lossy_link),
+         ("two-nodes-lost", 3, 2, True, kill_nodes(2, 1)),  # one after the other
+     ]]}
+KINDS = [name for name, kind in FAULTS.items() if not kind.real_nodes]
+NODE_KINDS = [name for name, kind in FAULTS.items() if kind.real_nodes]
 
 
 def processes(strategy, kind, ranks):
@@ -686,13 +888,16 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         job.watch = Watch(job.run_dir, new_lines_only=True)  # not a first launch's (first_launch_crashes)
         job.proc = start(job.cmd, job.env, log=f"{job.run_dir}.log")
         kind.fire(job)
+        code, job.output, trial.hung = finish(job.proc, job.deadline)
+        job.events = job.watch.poll()
+        return judge(job, kind, code)
     except FaultMissed as missed:
         trial.problems.append(missed.problem)
         trial.output_tail = missed.output[-3000:]
         return trial
-    code, job.output, trial.hung = finish(job.proc, job.deadline)
-    job.events = job.watch.poll()
-    return judge(job, kind, code)
+    finally:
+        if job.cluster:  # every node's processes, namespaces and files
+            job.cluster.close()
 
 
 def judge(job, kind, code):
@@ -707,8 +912,9 @@ def judge(job, kind, code):
         trial.problems.append("hung")
     elif trial.strategy in SURVIVORS:
         trial.problems += survivors_problems(job, code)
-    else:
-        trial.problems += problems(job.run_dir, code, job.output, trial.expected_restarts)
+    else:  # expected None: any count (a false alarm's restart)
+        trial.problems += problems(job.run_dir, code, job.output, trial.restarts if trial.expected_restarts is None
+                                   else trial.expected_restarts)
     # A checkpoint that must not be loaded is on disk; the memory tier may hold a whole snapshot of its step.
     from_disk = [e["step"] for e in ev if e["rank"] == 0 and e["event"] == "load" and e.get("source") != "memory"]
     trial.bad_loads = sum(job.damaged is not None and step == job.damaged for step in from_disk)
@@ -755,14 +961,20 @@ def survivors_problems(job, code):
         return [f"exit code {code}" + ("" if job.summary else ", no summary")]
     wrong = ["a Traceback in the output"] if "Traceback" in job.output else []
     lost = job.trial.expected_restarts
-    if job.summary.get("generation") != lost:
+    if lost is not None and job.summary.get("generation") != lost:
         wrong.append(f"generation {job.summary.get('generation')}, expected {lost}")
-    starts = {}
-    for e in job.events:
+    may_restart = job.trial.processes // 2 if job.lost else lost or 0
+    if job.cluster:  # --nodes: the ranks of the nodes lost or gone; on a lossy link, any fenced rank
+        may_restart = job.trial.processes // FAULTS[job.trial.kind].nodes * len(job.gone)
+        may_restart = job.trial.processes if lost is None else may_restart
+    starts, held = {}, {}  # each rank's processes; the one that held it at each recovery
+    for e in sorted(job.events, key=lambda e: e["time"]):
         if e["event"] == "start":
             starts.setdefault(e["rank"], []).append(e["pid"])
+        elif e["event"] == "recovered" and e["pid"] != starts.get(e["rank"], [None])[-1]:
+            held[e["rank"]] = e["pid"]
     restarted = [r for r, pids in starts.items() if len(pids) > 1]
-    if len(restarted) > (job.trial.processes // 2 if job.lost else lost) or any(e["pid"] != starts[e["rank"]][-1] for e in job.events if e["event"] == "recovered"):
+    if len(restarted) > may_restart or held:
         wrong.append(f"ranks {restarted} started again: a survivor restarted (starts {starts})")
     return wrong
 
@@ -854,7 +1066,7 @@ def table(results, kinds):
         rs = [r for r in results if r.kind == kind]
         if rs:
             rows.append([kind, len(rs), sum(r.fired for r in rs), sum(r.recovered for r in rs),
-                         sum(r.restarts == r.expected_restarts for r in rs),
+                         sum(r.expected_restarts in (None, r.restarts) for r in rs),
                          sum(r.digest_equal or bool(r.async_ok) for r in rs),
                          sum(r.bad_loads for r in rs), sum(r.hung for r in rs), median_text(r.recovery_s for r in rs)])
     return tabulate(rows, headers=["fault", "jobs", "fired", "recovered", "restarts (survivors: generations) as expected",
@@ -906,30 +1118,38 @@ def soak(planned, args, out, log):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     p = Parser(prog="bash run.sh chaos", description=__doc__.split("\n")[0])
-    p.add_argument("--trials", type=int, default=len(KINDS), help="jobs with faults; the first ones take every kind once")
+    p.add_argument("--trials", type=int, default=None, help="jobs with faults; the first ones take every kind once "
+                                                             "(default: that many)")
     p.add_argument("--seed", type=int, default=0, help="reproduces the series of trials")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="from: " + ", ".join(STRATEGIES))
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, from: " + ", ".join(KINDS))
+    p.add_argument("--kinds", default="", help="fault kinds, from: " + ", ".join(KINDS + NODE_KINDS))
+    p.add_argument("--nodes", action="store_true", help="the kinds on real nodes (root): " + ", ".join(NODE_KINDS))
     p.add_argument("--plan", default="", help="KIND:STRATEGY,...: exactly these trials, instead of --trials drawn ones")
     p.add_argument("--ranks", type=int, default=2, help="processes of a data-parallel job (sigstop: at least 2; "
                                                         "rpc: a server and at least 2 trainers)")
     p.add_argument("--jobs", type=int, default=1, help="trials run at once (a sigstop trial mostly waits)")
     p.add_argument("--out", default="runs/chaos", help="folder for the jobs and results.json")
     args = p.parse_args(argv)
-    strategies, kinds = args.strategies.split(","), args.kinds.split(",")
+    strategies = args.strategies.split(",")
+    kinds = args.kinds.split(",") if args.kinds else NODE_KINDS if args.nodes else KINDS
+    args.trials = len(kinds) if args.trials is None else args.trials
     planned = [tuple(reversed(e.split(":", 1))) for e in args.plan.split(",")] if args.plan else []
     bad = [s for s in strategies + [s for s, _ in planned] if s not in STRATEGIES]
-    bad += [k for k in kinds + [k for _, k in planned] if k not in KINDS]
-    bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in KINDS and s not in FAULTS[k].strategies]
+    bad += [k for k in kinds + [k for _, k in planned] if k not in FAULTS]
+    bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in FAULTS and s not in FAULTS[k].strategies]
     if bad:
         p.error(f"unknown or inapplicable: {', '.join(bad)}")
     if args.trials < 1 or args.jobs < 1 or args.ranks < 1 or BATCH % args.ranks:
         p.error(f"--trials and --jobs must be >= 1, --ranks must divide the batch of {BATCH}")
+    real = [k for _, k in planned] if planned else kinds
+    if any(FAULTS[k].real_nodes for k in real) and can_make_nodes():
+        p.error(f"{', '.join(k for k in real if FAULTS[k].real_nodes)}: {can_make_nodes()}")
     if not planned:
         drawn = drawn_plan(kinds, strategies, random.Random(args.seed))
         planned = [next(drawn) for _ in range(args.trials)]
-    if any(k == "node-lost" for _, k in planned) and BATCH % (2 * args.ranks):
-        p.error(f"node-lost runs two nodes of --ranks processes: twice --ranks must divide the batch of {BATCH}")
+    for kind in (FAULTS[k] for k in sorted({k for _, k in planned}) if FAULTS[k].nodes > 1):  # --ranks a node, each size
+        if any(BATCH % (n * args.ranks) for n in range(1, kind.nodes + 1)):
+            p.error(f"{kind.name} runs {kind.nodes} nodes of --ranks processes: they must divide the batch of {BATCH}")
     out, started = Path(args.out).resolve(), time.time()
     if out.is_dir() and any(out.iterdir()) and not (out / MARK).exists():
         p.error(f"--out {args.out} holds files that chaos did not write: name a new or empty folder")
@@ -954,9 +1174,9 @@ def main(argv=None):
         "references": [{"strategy": s, "processes": n, **dataclasses.asdict(ref)} for (s, n), ref in references.items()],
     }, indent=2) + "\n")
     print(f"chaos: {len(results)} trials, seed {args.seed}, {time.time() - started:.0f} s")
-    print(table(results, KINDS))
+    print(table(results, list(FAULTS)))
     print(f"\nRecovery, median seconds from the fault (the phases: harness.metrics.phases)\n"
-          f"{recovery_table(results, KINDS, references)}")
+          f"{recovery_table(results, list(FAULTS), references)}")
     failed = [r for r in results if not r.passed]
     for r in failed:
         print(f"\nFAILED trial {r.trial} ({r.strategy}, {r.kind}): fired {r.fired}, {'; '.join(r.problems) or 'no problem'}"
