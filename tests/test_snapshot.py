@@ -259,7 +259,7 @@ def test_the_tier_is_off_on_every_rank_when_one_has_no_dev_shm(tmp_path, monkeyp
     assert "memory tier off: rank 0: no /dev/shm" in capsys.readouterr().out
 
 
-def test_room_is_checked_before_training(tmp_path):
+def test_room_is_checked_before_training(tmp_path, monkeypatch):
     assert snapshot.room_problem(tmp_path, 1024) is None
     problem = snapshot.room_problem(tmp_path, 2**60)
     assert problem.startswith(f"--snapshot-dir {tmp_path}: the memory tier needs") and "--snapshot-every 0" in problem
@@ -267,6 +267,17 @@ def test_room_is_checked_before_training(tmp_path):
     afile.write_text("")
     assert "not a writable folder" in snapshot.room_problem(afile / "sub", 1024)  # one line, not a traceback
     assert "File name too long" in snapshot.room_problem(tmp_path / ("x" * 300), 1024)
+    # A folder removed in the middle of the check (a finished job's, while a spare of it starts) is no
+    # problem: checked again, it is absent, and its parent has room.
+    folder, statvfs = tmp_path / "shm", os.statvfs
+    folder.mkdir(mode=0o700)
+    def removed_meanwhile(path):
+        if folder.exists():
+            folder.rmdir()
+            raise FileNotFoundError(2, "No such file or directory")
+        return statvfs(path)
+    monkeypatch.setattr(snapshot.os, "statvfs", removed_meanwhile)
+    assert snapshot.room_problem(folder, 1024, "run-a") is None and not folder.exists()
     # Two slots of 12 bytes a parameter: one copy per node for DDP, a rank's share of it for FSDP, and
     # on several nodes that of a rank of the node before (its replica).
     assert snapshot.needed_bytes(1000, 4, 4, sharded=False) == 24_000

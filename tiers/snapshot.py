@@ -271,20 +271,26 @@ def needed_bytes(params, world, local_world, sharded):
 def room_problem(folder, need, run=None):
     """A line if `folder` is not this user's alone (folder_problem), or if its filesystem cannot take
     `need` more bytes, counting as free the bytes that the snapshots of the run `run` already hold (a
-    restart writes over its own), not those of other runs."""
+    restart writes over its own), not those of other runs. A folder removed while it is checked (the
+    run's own, by a rank that finished the job as a new spare started) is checked again, as it is now."""
     folder, instead = Path(folder), "pass another, or --snapshot-every 0 to go without the tier"
-    try:
-        if folder.exists() or folder.is_symlink():
-            problem = folder_problem(folder)
-            if problem:
-                return problem
-        probe = next((p for p in [folder, *folder.parents] if p.exists()), None)
-        if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
-            return f"--snapshot-dir {folder}: not a writable folder; {instead}"
-        fs = os.statvfs(probe)
-        held = sum(p.lstat().st_blocks * 512 for p in folder.glob(f"{run}-rank*")) if run and folder.is_dir() else 0
-    except OSError as e:  # a name too long, say
-        return f"--snapshot-dir {folder}: {e.strerror}; {instead}"
+    for tries_left in reversed(range(3)):
+        try:
+            if folder.exists() or folder.is_symlink():
+                problem = folder_problem(folder)
+                if problem:
+                    return problem
+            probe = next((p for p in [folder, *folder.parents] if p.exists()), None)
+            if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
+                return f"--snapshot-dir {folder}: not a writable folder; {instead}"
+            fs = os.statvfs(probe)
+            held = sum(p.lstat().st_blocks * 512 for p in folder.glob(f"{run}-rank*")) if run and folder.is_dir() else 0
+            break
+        except FileNotFoundError as e:
+            if not tries_left:
+                return f"--snapshot-dir {folder}: {e.strerror} (removed while checked, 3 times); {instead}"
+        except OSError as e:  # a name too long, say
+            return f"--snapshot-dir {folder}: {e.strerror}; {instead}"
     free = fs.f_bavail * fs.f_frsize + held
     if free < need:
         return (f"--snapshot-dir {folder}: the memory tier needs {need / 2**20:.0f} MiB on this node, "
