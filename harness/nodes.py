@@ -9,8 +9,8 @@ with them as a node's memory does; the run folder, on this machine's disk, is th
         cluster.lossy(1, 20)                    # 20 % of node 1's packets dropped, each way
         cluster.kill(1)                         # lost whole: every process in node 1's namespace SIGKILLed
 
-Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; packet loss needs nftables, installed from
-Debian's packages when missing. This kernel has no netem: no fixed delay, only a rate limit (slow()).
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 and util-linux; packet loss needs nftables; each
+installed from Debian's packages when missing. This kernel has no netem: no fixed delay, only a rate limit (slow()).
 The namespaces have no route out: their traffic never leaves them (10.200.0.0/24, not the host's subnet).
 Everything a Cluster makes is removed when it closes, and leftovers of a process that died before it could
 close one (namespaces named ft-<its pid>-...) are removed by the next Cluster.
@@ -33,12 +33,9 @@ _made = itertools.count()
 
 
 def can_make_nodes():
-    """None if this process can make nodes, else why not (one line)."""
-    if os.geteuid() != 0:
-        return "real nodes need root (network and mount namespaces)"
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        return "real nodes need iproute2's ip and util-linux's unshare"
-    return None
+    """None if this process can make nodes, else why not (one line). As root it can: what a node needs
+    and the machine lacks is installed (need)."""
+    return None if os.geteuid() == 0 else "real nodes need root (network and mount namespaces)"
 
 
 def sh(*cmd, check=True):
@@ -76,13 +73,14 @@ def remove_leftovers():
             remove(netns)
 
 
-def need_nft():
-    """nftables' nft, installed once from Debian's packages if missing (the packet-loss fault needs it)."""
-    install = ("apt-get", "install", "-y", "-qq", "--no-install-recommends", "nftables")
-    if shutil.which("nft") is None and sh(*install, check=False).returncode != 0:
+def need(command, package):
+    """`command`, installed once from Debian's `package` if missing: iproute2's ip and util-linux's
+    unshare for every node, nftables' nft for the packet-loss fault."""
+    install = ("apt-get", "install", "-y", "-qq", "--no-install-recommends", package)
+    if shutil.which(command) is None and sh(*install, check=False).returncode != 0:
         sh("apt-get", "update", "-qq")  # a machine with no package lists yet
         sh(*install)
-    return shutil.which("nft")
+    return shutil.which(command)
 
 
 class Cluster:
@@ -92,6 +90,8 @@ class Cluster:
         why = can_make_nodes()
         if why:
             raise RuntimeError(why)
+        need("ip", "iproute2")
+        need("unshare", "util-linux")
         remove_leftovers()
         self.tag = f"ft-{os.getpid()}-{next(_made)}"
         self.switch = f"{self.tag}-sw"
@@ -193,7 +193,7 @@ class Cluster:
             self.losses.discard(k)
         if percent <= 0:
             return
-        need_nft()
+        need("nft", "nftables")
         drop = f"numgen random mod 100 < {int(percent)} drop"
         rules = (f"table bridge {table} {{\n  chain forward {{\n    type filter hook forward priority 0; policy accept;\n"
                  f'    iifname "v{k}" {drop}\n    oifname "v{k}" {drop}\n  }}\n}}\n')

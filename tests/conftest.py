@@ -131,7 +131,8 @@ def s3(tmp_path_factory):
 @pytest.fixture
 def cluster():
     """Two real nodes on this machine (harness/nodes.py: a network namespace and a /dev/shm each), removed
-    when the test ends, however it ends. They need root, as CI has: elsewhere the test is skipped, saying why."""
+    when the test ends, however it ends. They need root, as CI has: elsewhere (only there) the test is
+    skipped, saying why; as root, what they need and the machine lacks is installed, or the test fails."""
     from harness.nodes import Cluster, can_make_nodes
     if can_make_nodes():
         pytest.skip(can_make_nodes())
