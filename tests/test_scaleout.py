@@ -107,7 +107,7 @@ def said(nodes, phrases, deadline):
         found = next((phrase for phrase in phrases if phrase in text), None)
         if found:
             return found
-        time.sleep(0.1)
+        time.sleep(0.1)  # polling the logs for a line, not waiting for a moment
     return None
 
 
