@@ -347,7 +347,7 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         if faults:  # this push took the server from step (async may skip)
             faults.after_step(reply.step, previous=step)
         if faults and faults.leaves(reply.step, previous=step):
-            print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
+            print(f"trainer {rank}: leaving silently at step {reply.step} (FT_FAULTS drop-trainer-at-step)", flush=True)
             break
     if reply.stop is not None:
         print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
