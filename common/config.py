@@ -5,6 +5,7 @@ Each field's trailing `# comment` in the dataclass source is its help text, so t
 sees next to a default is exactly what `--help` prints. A bad flag is one line and exit 2.
 """
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -63,22 +64,35 @@ def parse_config(cls, check=None, argv=None, prog=None, presets=None):
     try:
         problems = check(cfg) if check else []
     except ModuleNotFoundError as e:  # an optional module a flag asks for, not copied with the script
-        problems = [f"{e.name} is not here, and a flag (yours or its default) needs it: copy it with the "
-                    "script, or turn that flag off"]
+        problems = [getattr(e, "needed_by", None) or f"{e.name} is not here, and a flag (yours or its default) "
+                    "needs it: copy it with the script, or turn that flag off"]
     for problem in problems:
         parser.error(problem)
     return cfg
 
 
+@contextlib.contextmanager
+def needs(flag, off=None):
+    """Around the import of an optional module in a script's check(): a module not copied with the script
+    stops it in one line (parse_config's) that names `flag`, the flag that asks for it, and how to run
+    without it (`off`: the value that turns it off; none: leave the flag out)."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        missing = e.name.replace(".", "/") + (".py" if "." in e.name else "/")  # a file of a folder, or the folder
+        e.needed_by = (f"{flag} needs {missing}, which is not here: copy it with the script, or run "
+                       + (f"with {flag} {off}" if off is not None else f"without {flag}"))
+        raise
+
+
 # The rules a flag's value must follow: (rule, test). Each script lists its numeric flags' rules in a
 # RANGES dict beside its Config, the model's are in common/model.py; checked before any worker starts;
 # tests/test_common.py tries a value outside each range, for every field of every script's Config, so
-# a new numeric flag must be listed there. None is valid where it is the default (an optional fault).
+# a new numeric flag must be listed there. None is valid where it is the default (an optional flag).
 # NaN fails every rule.
 POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
-ANY_INT = ("any integer", lambda v: True)
 AT_LEAST_ONE = ("must be >= 1", lambda v: v >= 1)
 SEED = ("must be in [0, 2^32)", lambda v: 0 <= v < 2**32)  # the data's seeds are seed * 1_000_003 + step
 SECONDS = ("must be in (0, 604800] (a week)", lambda v: 0 < v <= 604800)  # a timedelta, a socket timeout

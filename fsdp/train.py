@@ -2,7 +2,7 @@
 every rank, auto-resume at the same or another world size, and optional async save.
 
     bash run.sh fsdp 4                                 # torchrun, 4 ranks, restarts on failure
-    bash run.sh fsdp 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
+    FT_FAULTS=crash-at-step=25 bash run.sh fsdp 4 --steps 40 --save-every 10   # see a crash recovered
     bash run.sh fsdp 2 --steps 40 --save-every 10 --async-save         # saves overlap training
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:0 fsdp/train.py      # the variable makes restarts reliable (README)
@@ -40,8 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import atomic_save, atomic_write_json, newest_resume_problem, param_digest
-from common.config import (ANY_INT, AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail,
-                           flag_problems, parse_config)
+from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail,
+                           flag_problems, needs, parse_config)
 from common.data import StepData, eval_batches
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
                          setup, teardown, wait)
@@ -95,13 +95,6 @@ class Config:
     save_threads: int = 8  # threads writing each rank's shards (on an H200's disk: 1 -> 0.58, 8 -> 0.88 of a raw write)
     compile: bool = False  # torch.compile each block before sharding it (as torchtitan does); the first steps compile
     export: str = ""  # at the end, torch.save the full model state dict to this file (for common.model.Transformer)
-    crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
-    crash_rank: int = -1  # fault injection: the rank that --crash-at-step kills (-1: the last rank)
-    crash_in_save: Optional[int] = None  # fault injection: rank 0 dies saving step N, shards written, before the commit
-    crash_in_staging: Optional[int] = None  # fault injection: --crash-rank dies while the async save of step N copies its shards
-    crash_in_snapshot: Optional[int] = None  # fault injection: --crash-rank dies halfway through step N's snapshot
-    freeze_at_step: Optional[int] = None  # fault injection: --crash-rank stops itself (SIGSTOP) after step N: a hang
-    nan_at_step: Optional[int] = None  # fault injection: the loss of step N is NaN, in every attempt (a diverged run)
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     survivors: bool = False  # (run.sh) a dead rank is replaced alone; the others keep running (tiers/survivors.py)
     spares: int = 0  # --survivors: processes that wait warm to take a dead rank's place at once
@@ -110,34 +103,38 @@ class Config:
     light_keep: int = 2  # --light-every: the light checkpoints kept
 
 
-# The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
-FAULTS = ("crash_at_step", "crash_in_save", "crash_in_staging", "crash_in_snapshot", "freeze_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": HANG, "grad_accum": AT_LEAST_ONE,
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
-          "save_threads": POSITIVE, "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE,
-          "crash_rank": ANY_INT, **dict.fromkeys(FAULTS, POSITIVE)}
+          "save_threads": POSITIVE, "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE}
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
     problems = (model_problems(cfg) + flag_problems(cfg, int(os.environ.get("WORLD_SIZE", 1)), RANGES)
                 + device_problems(cfg.device) + peak_flops_problems() + run_dir_problems(cfg.run_dir, cfg.export)
                 + ownership_problems(cfg.run_dir, ["light"] if cfg.light_every else []))
+    if os.environ.get("FT_FAULTS"):  # the tests' faults (tiers/faults.py)
+        from tiers.faults import fault_problems
+        problems += fault_problems("fsdp")
     if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
-        from tiers.tokens import data_problems
+        with needs("--data"):
+            from tiers.tokens import data_problems
         problems += data_problems(cfg)
     if cfg.survivors or cfg.spares:  # the processes of this layout must fit the node
-        from tiers.survivors import layout_problems
+        with needs("--survivors"):
+            from tiers.survivors import layout_problems
         problems += layout_problems(cfg, num_params_of(cfg))
     resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
                                    lambda p: torch.load(p / "train.pt", map_location="cpu", weights_only=True),
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     problems += [resume] if resume else []
     if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
-        from tiers.archive import tier_problems
+        with needs("--archive"):
+            from tiers.archive import tier_problems
         problems += tier_problems(cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     if not problems and cfg.snapshot_every:  # room for the memory tier's slots (tiers/snapshot.py)
-        from tiers.snapshot import tier_problems
+        with needs("--snapshot-every", 0):
+            from tiers.snapshot import tier_problems
         problems += tier_problems(cfg, num_params_of(cfg), sharded=True)  # each rank's shards
     return problems
 
@@ -254,7 +251,7 @@ def open_tiers(cfg, rank, world, model, optimizer, monitor):
     """(the tiers the checkpointer calls beside the disk, common/checkpointer.py; the tests' faults or None),
     each opened only if its flag asks. (The token files plug in at main's data section.)"""
     tiers, faults = [], None
-    if any(getattr(cfg, name) is not None for name in FAULTS):
+    if os.environ.get("FT_FAULTS"):
         from tiers.faults import Faults
         faults = Faults(cfg, rank, world)
     if cfg.snapshot_every:  # the memory tier: a rank's shards and RNG, also kept on the next node
@@ -325,7 +322,7 @@ def main(cfg):
                 optimizer.step()  # (hooks first wait for the weights a snapshot or an async save is still copying)
                 # ----------------------------------------------------------------- TRAINING SECTION END
                 # Everything that follows watches the step, and saves it.
-                if faults:  # --nan-at-step: a diverged loss
+                if faults:  # nan-at-step: a diverged loss
                     loss = faults.poison_loss(loss, step)
                 step += 1
                 mean_loss, stop = guard.agree(loss)  # the loss over all ranks, and whether any rank was signalled
@@ -338,7 +335,7 @@ def main(cfg):
                 monitor.step(step, mean_loss, lr, dt, tokens_per_step, state_bytes(model, optimizer),
                              mfu=mfu(flops_per_step, dt, device), **checkpointer.in_flight(t0))
                 guard.shorten_timeout(step_times)
-                if faults:  # --crash-at-step: this rank dies now, before the step is saved
+                if faults:  # crash-at-step (tiers/faults.py): this rank dies now, before the step is saved
                     faults.after_step(step)
                 if cfg.eval_every and step % cfg.eval_every == 0:  # draws no random number: training goes on as without it
                     monitor.evaluation(step, *eval_loss(model, val_batches, device, bf16))

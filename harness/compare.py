@@ -46,15 +46,16 @@ from common.model import PRESETS  # noqa: E402
 COLUMNS = {column(s): STRATEGIES[s] for s in ("ddp", "ddp-async", "fsdp", "fsdp-async", "rpc")}
 
 
-def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900, spares=None):
+def run_job(name, script, nproc, run_dir, flags, log, restarts=0, timeout_s=900, spares=None, faults=""):
     """Launch one job; returns what it wrote, plus the launch time. A job that does not exit 0 after
     exactly `restarts` torchrun restarts (a clean run printing a Traceback included) is an error:
     its figures would measure another run than the one named. `spares` (a number): a --survivors job
-    with that many, which must end after `restarts` generations, no torchrun restart and no Traceback."""
+    with that many, which must end after `restarts` generations, no torchrun restart and no Traceback.
+    `faults`: its FT_FAULTS (tiers/faults.py; "": none, whatever this process's environment says)."""
     start_time = time.time()
-    launch = torchrun(script, nproc, run_dir, flags) if spares is None else survivors_job(script, nproc, run_dir, flags,
-                                                                                           spares)
-    proc = start(*launch, log=f"{run_dir}.log")
+    cmd, env = torchrun(script, nproc, run_dir, flags) if spares is None else survivors_job(script, nproc, run_dir,
+                                                                                             flags, spares)
+    proc = start(cmd, {**env, "FT_FAULTS": faults}, log=f"{run_dir}.log")
     code, output, hung = finish(proc, start_time + timeout_s)
     log(f"  {name}: {'hung, killed' if hung else f'exit {code}'} in {time.time() - start_time:.0f} s")
     wrong = [f"no end after {timeout_s} s"] if hung else problems(run_dir, code, output, 0 if spares is not None
@@ -220,9 +221,9 @@ def main(argv=None):
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch,
                  "--log-every", 1000, "--preset", size, *extra]
-        flags += ["--crash-at-step", crash_step] if crash else []
         log(f"running {name} ...")
-        return run_job(name, script, args.nproc, run_dir, flags, log, restarts=1 if crash else 0, spares=spares)
+        return run_job(name, script, args.nproc, run_dir, flags, log, restarts=1 if crash else 0, spares=spares,
+                       faults=f"crash-at-step={crash_step}" if crash else "")
 
     results = {"main": {}, "growth": {}}
     for strategy in strategies:
@@ -360,7 +361,7 @@ TIER_ROWS = [  # (label, key, format)
 
 def memory_tier(nproc, steps, save_every, crash_step, batch, out, log):
     """ddp and fsdp on TIER_SIZE with a snapshot every step (the default) and with --snapshot-every 0, each
-    uninterrupted and with --crash-at-step: what the memory tier costs a step, and what it saves a crash."""
+    uninterrupted and with a crash (crash-at-step): what the memory tier costs a step, and what it saves a crash."""
     rows = {}
     for strategy in ("ddp", "fsdp"):
         script, _ = COLUMNS[strategy]
@@ -372,9 +373,9 @@ def memory_tier(nproc, steps, save_every, crash_step, batch, out, log):
                 subprocess.run(["rm", "-rf", str(run_dir)], check=True)
                 flags = ["--steps", steps, "--save-every", save_every, "--batch-size", batch, "--log-every", 1000,
                          "--preset", TIER_SIZE, "--snapshot-every", every]
-                flags += ["--crash-at-step", crash_step] if crash else []
                 log(f"running {name}{' crash' if crash else ''} ...")
-                jobs[crash] = run_job(name, script, nproc, run_dir, flags, log, restarts=1 if crash else 0)
+                jobs[crash] = run_job(name, script, nproc, run_dir, flags, log, restarts=1 if crash else 0,
+                                      faults=f"crash-at-step={crash_step}" if crash else "")
             steps_0 = [e for e in jobs[False]["events"] if e["event"] == "step" and e["rank"] == 0]
             loads = [e for e in jobs[True]["events"] if e["event"] == "load" and e["rank"] == 0]
             ev = jobs[True]["events"]

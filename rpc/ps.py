@@ -3,8 +3,8 @@ stateless trainers, and lost trainers dropped after a timeout. The server's stat
 sync and async, are in rpc/server.py: copy it with this script.
 
     bash run.sh rpc 4                                  # torchrun, 4 processes: rank 0 the server, 1-3 trainers
-    bash run.sh rpc 4 --steps 40 --save-every 10 --crash-at-step 25   # see a crash recovered
-    bash run.sh rpc 4 --drop-trainer-at-step 10 --straggler-timeout 5  # see a lost trainer dropped
+    FT_FAULTS=crash-at-step=25 bash run.sh rpc 4 --steps 40 --save-every 10   # see a crash recovered
+    FT_FAULTS=drop-trainer-at-step=10 bash run.sh rpc 4 --straggler-timeout 5  # see a lost trainer dropped
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:0 rpc/ps.py         # the variable makes restarts reliable (README)
 
@@ -57,8 +57,8 @@ from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `
 from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, keeping_settings, load_newest,
                                newest_resume_problem, param_digest, prune, refuse_unfit, rng_state, seed_rng,
                                set_rng_state, step_name)
-from common.config import (ANY_INT, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
-                           parse_config)
+from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
+                           needs, parse_config)
 from common.data import StepData
 from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_rendezvous, pick_device,
                          print0, refuse_unsafe_restarts, restarts)
@@ -96,11 +96,6 @@ class Config:
     log_every: int = 10  # print a log line every N steps
     timeout_s: int = 300  # RPC timeout: a hung server fails the trainers' calls; no gradient at all fails the server
     straggler_timeout: float = 30.0  # seconds the server waits for a missing trainer before it goes on without it
-    crash_at_step: Optional[int] = None  # fault injection: --crash-rank dies right after step N, before saving
-    crash_rank: int = -1  # fault injection: the rank --crash-at-step kills, --drop-trainer-at-step drops (-1: the last)
-    crash_in_save: Optional[int] = None  # fault injection: the server dies mid-write of step N's checkpoint
-    drop_trainer_at_step: Optional[int] = None  # fault injection: trainer --crash-rank leaves silently at step N
-    nan_at_step: Optional[int] = None  # fault injection: a NaN loss at update N (async: trainer step N), every attempt
     allow_changes: bool = False  # resume even if --seed, --batch-size or --data differ from the checkpoint's
     mode: str = "sync"  # sync: each update waits for every live trainer (bitwise resumable); async: for no one
     updates_per_step: int = 0  # async: gradients an update averages, from any trainers (0: one per trainer)
@@ -110,12 +105,9 @@ class Config:
     archive: str = ""  # s3://bucket/prefix: each committed checkpoint is copied there in the background; a run folder without one resumes from it
 
 
-# The flags that make the tests' faults (tiers/faults.py), which exist only when one of them is set.
-FAULTS = ("crash_at_step", "crash_in_save", "drop_trainer_at_step", "nan_at_step")
 # The valid values of the numeric flags above (common/config.py's rules; the model's are in common/model.py).
 RANGES = {**SHARED_RANGES, "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE,
-          "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE,
-          "crash_rank": ANY_INT, **dict.fromkeys(FAULTS, POSITIVE)}
+          "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE}
 
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -127,12 +119,13 @@ def check(cfg):
         return [f"needs at least 2 processes (rank 0 is the server, the others are trainers), got {world}"]
     problems = (model_problems(cfg) + flag_problems(cfg, world - 1, RANGES) + device_problems(cfg.device)  # trainers split the batch
                 + peak_flops_problems() + run_dir_problems(cfg.run_dir) + ownership_problems(cfg.run_dir))
+    if os.environ.get("FT_FAULTS"):  # the tests' faults (tiers/faults.py)
+        from tiers.faults import fault_problems
+        problems += fault_problems("rpc")
     if cfg.data:  # a token file (tiers/tokens.py)
-        from tiers.tokens import data_problems
+        with needs("--data"):
+            from tiers.tokens import data_problems
         problems += data_problems(cfg)
-    if cfg.drop_trainer_at_step is not None and cfg.crash_rank % world == 0:
-        problems.append(f"--drop-trainer-at-step drops the trainer --crash-rank, and rank 0 is the server: "
-                        f"pick a rank in 1..{world - 1}")
     if cfg.save_every == 0:
         problems.append("--save-every 0 (an interval by Young and Daly's rule) is ddp's and fsdp's: give the server N")
     if cfg.mode not in ("sync", "async"):
@@ -150,7 +143,8 @@ def check(cfg):
                                    FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     problems += [resume] if resume else []
     if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
-        from tiers.archive import tier_problems
+        with needs("--archive"):
+            from tiers.archive import tier_problems
         problems += tier_problems(cfg, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
     return problems
 
@@ -353,7 +347,7 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
         if faults:  # this push took the server from step (async may skip)
             faults.after_step(reply.step, previous=step)
         if faults and faults.leaves(reply.step, previous=step):
-            print(f"trainer {rank}: leaving silently at step {reply.step} (--drop-trainer-at-step)", flush=True)
+            print(f"trainer {rank}: leaving silently at step {reply.step} (FT_FAULTS drop-trainer-at-step)", flush=True)
             break
     if reply.stop is not None:
         print(f"trainer {rank}: stopping at step {reply.step}: {reply.stop}", flush=True)
@@ -382,8 +376,8 @@ def main(cfg):
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"rpc: world size {world} (a server, {world - 1} trainers), restart {restarts()}")
     monitor = Monitor(run_dir, rank, device, cfg.log_every)
-    faults = None  # the tests' faults, made only when a fault flag asks for one
-    if any(getattr(cfg, name) is not None for name in FAULTS):
+    faults = None  # the tests' faults, made only when FT_FAULTS asks for one
+    if os.environ.get("FT_FAULTS"):
         from tiers.faults import Faults
         faults = Faults(cfg, rank, world, "server" if rank == 0 else f"trainer {rank}")
 

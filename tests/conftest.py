@@ -25,15 +25,18 @@ SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "
 DROPOUT = ["--dropout", "0.1"]
 
 
-def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None):
+def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout=240, check=True, env=None,
+             faults=""):
     """Run `script` under torchrun (harness/launch.py: a free rendezvous port of its own, the restart-safe
     environment); returns the CompletedProcess, whose returncode is a deliberate stop's code if a worker
-    left one (torchrun itself exits 0 then: common.stop.stop).
+    left one (torchrun itself exits 0 then: common.stop.stop). `faults`: the job's FT_FAULTS, the test
+    faults it asks for (tiers/faults.py), e.g. "crash-at-step=10,rank=1".
 
     With check=True the job must exit 0 after exactly `restarts` torchrun restarts (as its summary.json
     counts them), and with restarts=0 print no Traceback: torchrun's restarts would otherwise hide a
     crash behind the right digest. A test that injects a crash says how many restarts it causes."""
-    cmd, env = launch.torchrun(script, nproc, run_dir, flags, max_restarts=max_restarts, env=env)
+    cmd, env = launch.torchrun(script, nproc, run_dir, flags, max_restarts=max_restarts,
+                               env={**(env or {}), "FT_FAULTS": faults})
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     proc.returncode = launch.exit_code(proc.returncode, env)  # a deliberate stop's code, as run.sh reports it
     if check:

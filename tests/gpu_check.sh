@@ -105,13 +105,13 @@ timeout 240 python3 tests/save_bench.py --model $BIG --repeats 1 --threads 8 --d
 for name in fsdp fsdp-compiled ddp; do
   script=${name%-compiled}/train.py
   flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40 --async-save)
-  fault=(--crash-in-save 20)
-  [ $name = fsdp-compiled ] && flags+=(--compile) && fault=(--crash-in-staging 20)
-  log "$name resume on $SMALL, ${fault[*]}"
+  fault=crash-in-save=20  # FT_FAULTS (tiers/faults.py), given to the crashed run alone
+  [ $name = fsdp-compiled ] && flags+=(--compile) && fault=crash-in-staging=20
+  log "$name resume on $SMALL, $fault"
   launch 150 0 $script $R/$name-ref "${flags[@]}"
   verify $R/$name-ref $? 0
   grep -E "^done|Error" $R/$name-ref.log | tail -2
-  launch 150 1 $script $R/$name-crash "${flags[@]}" "${fault[@]}"
+  FT_FAULTS=$fault launch 150 1 $script $R/$name-crash "${flags[@]}"
   verify $R/$name-crash $? 1
   grep -E "injected|resuming|^done|Error" $R/$name-crash.log | tail -4
   grep -q "resuming from step 10" $R/$name-crash.log || failed+=("$name: did not resume from step 10")

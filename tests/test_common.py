@@ -2,6 +2,8 @@
 import dataclasses
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,9 +20,10 @@ from harness.launch import run_dir_in_use
 from common import model, monitor
 from common.config import parse_config
 from common.data import StepData
+from tiers import faults
 from tiers.tokens import open_source
 from common.model import ModelConfig, Transformer
-from conftest import REPO, refused
+from conftest import REPO, refused, run_sh
 from harness.launch import load_script
 
 
@@ -163,7 +166,7 @@ SCRIPTS = ["ddp/train.py", "fsdp/train.py", "rpc/ps.py"]
 
 def bad_values(rule, kind):
     """Values outside a flag's declared range."""
-    values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5], "any integer": [],
+    values = {"must be > 0": [0, -1], "must be >= 0": [-1], "must be in [0, 1)": [1.0, -0.5],
               "must be >= 1": [0.5, -1], "must be in [0, 2^32)": [-1, 2**32],
               "must be in (0, 604800] (a week)": [0, 10**14], "must be in (0, 1e6] (a century)": [0, 1e308],
               "must be in [1, 604800] (a second to a week)": [0.001, 10**14]}
@@ -232,8 +235,8 @@ def test_data_is_a_function_of_step_and_same_across_world_sizes(real_text, tmp_p
 
 def test_config_flags_come_from_the_dataclass(capsys):
     ddp = load_script(REPO / "ddp" / "train.py")
-    cfg = parse_config(ddp.Config, argv=["--steps", "7", "--no-tie-head", "--crash-at-step", "3"])
-    assert (cfg.steps, cfg.tie_head, cfg.crash_at_step, cfg.crash_in_save) == (7, False, 3, None)
+    cfg = parse_config(ddp.Config, argv=["--steps", "7", "--no-tie-head", "--light-every", "3"])
+    assert (cfg.steps, cfg.tie_head, cfg.light_every, cfg.export) == (7, False, 3, "")
     small = parse_config(ddp.Config, argv=["--preset", "small", "--dim", "999"], presets=model.PRESETS)
     assert (small.dim, small.layers, small.heads, small.preset) == (128, 3, 4, "small")  # the preset wins
     with pytest.raises(SystemExit):
@@ -241,6 +244,61 @@ def test_config_flags_come_from_the_dataclass(capsys):
     with pytest.raises(SystemExit):
         parse_config(ddp.Config, argv=["--help"])
     assert "total optimizer steps" in capsys.readouterr().out  # the field's comment is its help
+
+
+def test_test_faults_are_asked_for_by_ft_faults_never_by_a_flag(capsys):
+    assert faults.parse("crash-at-step=25,rank=1", "ddp") == {"crash-at-step": 25, "rank": 1}
+    for script in SCRIPTS:
+        module = load_script(REPO / script)
+        with pytest.raises(SystemExit):
+            parse_config(module.Config, argv=["--help"])
+        help_ = capsys.readouterr().out
+        assert "--steps" in help_ and not re.findall(r"--(?:crash|freeze|pause|nan|drop)-", help_), script
+
+
+@pytest.mark.parametrize("script, spec, message", [
+    ("ddp/train.py", "crash-at-step", "'crash-at-step' is not kind=N"),
+    ("ddp/train.py", "crash-at-stop=3", "no fault 'crash-at-stop': choose from crash-at-step, "),
+    ("ddp/train.py", "drop-trainer-at-step=3", "drop-trainer-at-step is not a fault of ddp's: choose from "),
+    ("rpc/ps.py", "pause-at-step=3", "pause-at-step is not a fault of rpc's"),
+    ("fsdp/train.py", "crash-at-step=x", "crash-at-step must be an integer, got 'x'"),
+    ("fsdp/train.py", "nan-at-step=0", "nan-at-step must be > 0 (a step), got 0"),
+    ("ddp/train.py", "crash-at-step=3,rank=1,crash-at-step=4", "crash-at-step is given twice"),
+    ("rpc/ps.py", "rank=1", "no fault asked for, only its rank"),
+])
+def test_a_bad_ft_faults_is_one_line(script, spec, message, tmp_path, monkeypatch):
+    # The check run.sh does before torchrun starts workers (and each worker again at start).
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("FT_FAULTS", spec)
+    err = refused(script, "--run-dir", tmp_path)
+    assert f"FT_FAULTS={spec}: {message}" in err, err
+
+
+def test_a_bad_ft_faults_stops_run_sh_before_any_worker_starts(tmp_path):
+    proc = run_sh("ddp", 2, "--run-dir", tmp_path, env={"FT_FAULTS": "crash-at-step=-3"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "FT_FAULTS=crash-at-step=-3: crash-at-step must be > 0 (a step), got -3" in proc.stderr
+    assert not (tmp_path / "metrics-rank0.jsonl").exists()
+
+
+def test_a_copy_without_tiers_refuses_in_one_line_naming_the_flag_or_trains_without_it(tmp_path):
+    # ddp/ and common/ alone, as a user copies them: the memory tier, on by default, is not there.
+    for folder in ("ddp", "common"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this repository's
+    flags = [sys.executable, "ddp/train.py", "--run-dir", "run", "--steps", 2, "--dim", 32, "--heads", 2]
+
+    def run(*more):
+        return subprocess.run([*map(str, flags), *more], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    refused_ = run()
+    assert refused_.returncode == 2 and refused_.stderr == (
+        "train.py: error: --snapshot-every needs tiers/, which is not here: copy it with the script, or run with "
+        "--snapshot-every 0 (see --help)\n")
+    trained = run("--snapshot-every", "0")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").exists()
 
 
 def test_peak_flops_is_known_for_listed_gpus_or_given_by_the_environment(monkeypatch):

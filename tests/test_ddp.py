@@ -74,8 +74,9 @@ def test_the_docstring_launch_line_survives_a_crash_bitwise(tmp_path, ddp_refere
     # other slot, is: one step is replayed, not the two since the disk's step 8.
     command = docstring_launch_line()
     assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3")
-    flags = " ".join(map(str, ["--run-dir", tmp_path, *SMALL, *DROPOUT, "--crash-in-snapshot", 10]))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    flags = " ".join(map(str, ["--run-dir", tmp_path, *SMALL, *DROPOUT]))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "FT_FAULTS": "crash-in-snapshot=10"}
     proc = subprocess.run(["bash", "-c", f"{command} {flags}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -107,8 +108,8 @@ def test_crash_in_save_ignores_the_torn_checkpoint(tmp_path, ddp_reference):
     # An async save: rank 0's writer thread dies with the file written, not renamed, while the loop trains
     # on (a synchronous save writes through the same atomic_save, on the main thread). The memory tier is
     # off: its snapshot of step 8 would be loaded, and the fallback on disk go untested.
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, "--snapshot-every", 0,
-                    restarts=1)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--snapshot-every", 0,
+                    faults="crash-in-save=8", restarts=1)
     assert "injected crash: rank 0 while saving step 8" in proc.stderr
     result = summary(tmp_path)
     assert result["resumed_from_step"] == 4  # the step-8 file was never committed
@@ -346,7 +347,7 @@ def test_a_diverged_loss_stops_the_job_without_saving_and_without_a_retry(tmp_pa
     # workers exit 0, which it does not retry, and run.sh exits with their code.
     in_copy(eight_steps, tmp_path)
     before = files(tmp_path)
-    proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, "--nan-at-step", 10)
+    proc = run_sh("ddp", 2, "--run-dir", tmp_path, *SMALL, env={"FT_FAULTS": "nan-at-step=10"})
     assert proc.returncode == 3 and "resuming from step 8" in proc.stdout and "restart 1" not in proc.stdout
     assert [line for line in proc.stderr.splitlines() if "error" in line or "Traceback" in line] == [
         "train.py: error: loss is nan at step 10: stopping without saving, the checkpoints of earlier steps are kept"]

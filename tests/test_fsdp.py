@@ -27,8 +27,8 @@ def test_a_crash_while_an_async_save_copies_the_shards_resumes_from_the_previous
     # step 12 never commits, and the job resumes from step 8. With --cpu-offload the weights and the
     # optimizer state live on the CPU, and are staged from there.
     # The memory tier is off: its snapshot of step 12 or 11 would be loaded instead.
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--cpu-offload", "--async-save", "--crash-in-staging", "12",
-                    "--snapshot-every", 0, restarts=1)
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--cpu-offload", "--async-save", "--snapshot-every", 0,
+                    faults="crash-in-staging=12", restarts=1)
     assert "async save: staged in a background thread into pageable CPU buffers" in proc.stdout
     assert "injected crash: rank 1 while staging step 12" in proc.stderr
     assert "resuming from step 8" in proc.stdout
@@ -42,8 +42,8 @@ def test_async_save_crash_in_flight_resumes_from_the_previous_commit(tmp_path, f
     # save's collectives when rank 0 dies, a lost peer (a restart), not a failed save (exit 3, no retry:
     # it was one on 4079b2c). The one loaded is the third save, staged into the buffers the earlier
     # saves filled: a stale or mixed-up buffer would load other weights and change the digest.
-    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", "16", "--snapshot-every", 0,
-                    restarts=1)  # the memory tier off, as above
+    proc = torchrun(SCRIPT, 2, tmp_path, *SMALL, *DROPOUT, "--async-save", "--snapshot-every", 0,
+                    faults="crash-in-save=16", restarts=1)  # the memory tier off, as above
     assert "step-00000016: shards written, not committed" in proc.stderr
     assert "resuming from step 12" in proc.stdout  # not from the torn step 16...
     assert "removed step-00000016 (never committed)" in proc.stdout  # ...which is saved again in a fresh folder
@@ -64,7 +64,7 @@ def test_a_damaged_memory_snapshot_is_refused_by_its_checksum_and_the_job_ends_b
     # checksum and resumes from step 8 (the older slot, or the disk's), never from the damaged bytes.
     snap_dir = tmp_path / "memory"
     flags = [*SMALL, *DROPOUT, "--snapshot-dir", snap_dir]
-    first = torchrun(SCRIPT, 2, tmp_path, *flags, "--crash-at-step", 10, max_restarts=0, check=False)
+    first = torchrun(SCRIPT, 2, tmp_path, *flags, faults="crash-at-step=10", max_restarts=0, check=False)
     assert first.returncode != 0 and "injected crash: rank 1 after step 10" in first.stderr
     record = next(r for r in map(json.loads, map(Path.read_text, snap_dir.glob("*-rank0-slot*.json"))) if r["step"] == 9)
     data = snap_dir / f"{record['run']}-rank0-slot{9 % 2}-{record['nbytes']}.bin"

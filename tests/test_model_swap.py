@@ -32,5 +32,5 @@ def test_the_swapped_model_trains_fsdp_builds_it_with_its_buffers_and_resumes_bi
     first = [metrics(run, 0, "step")[0]["loss"] for run in (tmp_path / "ddp", fsdp)]
     assert first[0] == pytest.approx(first[1], rel=1e-6, abs=0)
     crashed = tmp_path / "crashed"
-    torchrun(project / "fsdp" / "train.py", 2, crashed, *flags, "--crash-at-step", 10, restarts=1)
+    torchrun(project / "fsdp" / "train.py", 2, crashed, *flags, faults="crash-at-step=10", restarts=1)
     assert summary(crashed)["param_digest"] == summary(fsdp)["param_digest"]

@@ -43,7 +43,7 @@ def test_uninterrupted_run_writes_the_summary_and_archives_every_checkpoint(refe
 def test_a_crash_in_the_servers_save_resumes_to_the_same_weights(tmp_path, reference):
     # Step 8's checkpoint is never committed. (A crash after an update, before its save, and a trainer's
     # crash: test_server_and_trainer_crashes_restart_the_job.)
-    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, "--crash-in-save", 8, restarts=1)
+    proc = torchrun("rpc/ps.py", 3, tmp_path, *SMALL, faults="crash-in-save=8", restarts=1)
     assert "injected crash: server while saving step 8" in proc.stderr
     assert "resuming from step 4" in proc.stdout
     s = summary(tmp_path)
@@ -53,10 +53,10 @@ def test_a_crash_in_the_servers_save_resumes_to_the_same_weights(tmp_path, refer
 
 
 # ----------------------------------------------------------------------------- lost trainers
-def start_job(run_dir, nproc, *flags, wrap=lambda cmd: cmd):
-    """The job under torchrun (its command line through `wrap`), in the background, once its worker
-    processes exist: (process, {rank: pid})."""
-    cmd, env = launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags])
+def start_job(run_dir, nproc, *flags, wrap=lambda cmd: cmd, faults=""):
+    """The job under torchrun (its command line through `wrap`, its FT_FAULTS `faults`), in the background,
+    once its worker processes exist: (process, {rank: pid})."""
+    cmd, env = launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags], env={"FT_FAULTS": faults})
     proc = launch.start(wrap(cmd), env, log=f"{run_dir}.log")
     pids = {}
     while len(pids) < nproc and proc.poll() is None:
@@ -81,7 +81,7 @@ def test_server_and_trainer_crashes_restart_the_job(tmp_path, reference, kill_at
     # Then a trainer is killed for real: torchrun sees its worker die and restarts the group (long before
     # the server would drop it), and the server resumes from its checkpoint with every trainer.
     run_dir = tmp_path / "run"
-    proc, _ = start_job(run_dir, 3, "--crash-at-step", 6, "--crash-rank", 0,
+    proc, _ = start_job(run_dir, 3, faults="crash-at-step=6,rank=0",
                         wrap=lambda cmd: named_on_the_network(cmd, tmp_path))
     kill_at_end(proc)
     deadline, watch = time.time() + 120, Watch(run_dir)
@@ -108,7 +108,7 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
     # end, would keep torchrun waiting for ever: the server kills it, and torchrun's restart ends at once.
     straggler_s, run_dir = 3, tmp_path / "run"
     t0 = time.monotonic()
-    proc, pids = start_job(run_dir, 4, "--drop-trainer-at-step", 4, "--straggler-timeout", straggler_s)
+    proc, pids = start_job(run_dir, 4, "--straggler-timeout", straggler_s, faults="drop-trainer-at-step=4")
     kill_at_end(proc)
     watch = Watch(run_dir)
     assert watch.first("step", proc, time.time() + 120, min_step=8)
@@ -142,7 +142,6 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
 
 @pytest.mark.parametrize("world, flags, message", [
     ("1", [], "needs at least 2 processes (rank 0 is the server, the others are trainers), got 1"),
-    ("3", ["--drop-trainer-at-step", "4", "--crash-rank", "0"], "rank 0 is the server: pick a rank in 1..2"),
     ("3", ["--straggler-timeout", "400"], "--straggler-timeout must be > 0 and below --timeout-s 300"),
     ("4", ["--batch-size", "8"], "--batch-size 8 (the global batch) does not split evenly over 3 ranks"),
     ("3", ["--mode", "fast"], "--mode fast: choose from sync, async"),
@@ -155,6 +154,12 @@ def test_bad_input_is_one_line_and_exit_2(world, flags, message, tmp_path, monke
     monkeypatch.setenv("WORLD_SIZE", world)
     err = refused("rpc/ps.py", "--run-dir", tmp_path, *flags)
     assert message in err, err
+
+
+def test_a_dropped_trainer_must_be_a_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("FT_FAULTS", "drop-trainer-at-step=4,rank=0")
+    assert "rank 0 is the server: pick a rank in 1..2" in refused("rpc/ps.py", "--run-dir", tmp_path)
 
 
 # ----------------------------------------------------------------------------- rpc/server.py, no RPC
@@ -265,7 +270,7 @@ def test_a_loss_that_is_not_finite_stops_the_server_before_it_saves(tmp_path, ca
     saved, replies = [], {}
     server = make_server(tmp_path, cfg, 2, after_update=lambda server, step: saved.append(step))
 
-    def trainer(t):  # trainer 2's loss of update 2 is NaN, as --nan-at-step 2 makes it
+    def trainer(t):  # trainer 2's loss of update 2 is NaN, as FT_FAULTS=nan-at-step=2 makes it
         for step in range(2):
             replies[t] = server.push(t, step, grads[step][t], float("nan") if (t, step) == (2, 1) else 1.0).wait()
 
@@ -331,7 +336,7 @@ def async_job(tmp_path_factory, request):
     the restarted job has done step 18, trainer 1 is killed. torchrun restarts the job twice.
     Returns (run dir, output, rank 0's metrics)."""
     run_dir = tmp_path_factory.mktemp("rpc-async") / "run"
-    proc, _ = start_job(run_dir, 3, *ASYNC, "--crash-at-step", 11, "--crash-rank", 0)
+    proc, _ = start_job(run_dir, 3, *ASYNC, faults="crash-at-step=11,rank=0")
     request.addfinalizer(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
     deadline, watch = time.time() + 120, Watch(run_dir)
     assert watch.first("load", proc, deadline)  # the first restart resumes (the first run started fresh)

@@ -23,11 +23,13 @@ SCRIPT = "ddp/train.py"
 
 
 def survivors_run(run_dir, *flags, nproc=2, spares=0, script=SCRIPT, timeout=240, wrap=None, while_running=None,
-                  env=None):
+                  env=None, faults=""):
     """A --survivors job of `nproc` ranks; returns its output, after checking that it exited 0 with no Traceback.
-    `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs."""
+    `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs;
+    `faults`: its FT_FAULTS (tiers/faults.py)."""
     cmd, job_env = launch.survivors_job(script, nproc, run_dir, flags, spares)
-    proc = launch.start(wrap(cmd) if wrap else cmd, {**job_env, **(env or {})}, run_dir / "job.log")
+    proc = launch.start(wrap(cmd) if wrap else cmd, {**job_env, **(env or {}), "FT_FAULTS": faults},
+                        run_dir / "job.log")
     if while_running:
         while_running(proc)
     code, output, hung = launch.finish(proc, time.time() + timeout)
@@ -96,7 +98,7 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
     torchrun(SCRIPT, 4, reference, *flags)
     run = tmp_path / "run"
 
-    def faults(proc):
+    def meanwhile(proc):
         assert wait_for_step(run, 10, proc), "the job ended before step 10: the pause never came"
         sockets = listening(proc.pid)
         assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
@@ -109,8 +111,8 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
         for step, rank, number in ((40, 2, signal.SIGKILL), (70, 3, signal.SIGSTOP)):
             assert wait_for_step(run, step, proc), f"the job ended before step {step}: rank {rank} never faulted"
             os.kill(metrics(run, rank, "start")[-1]["pid"], number)
-    output = survivors_run(run, *flags, "--pause-at-step", 10, "--crash-rank", 1, nproc=4, spares=1,
-                           wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=faults)
+    output = survivors_run(run, *flags, nproc=4, spares=1, faults="pause-at-step=10,rank=1",
+                           wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=meanwhile)
     assert "injected pause: rank 1 after step 10" in output
     assert "the job's store in a network namespace of its own" in output
     assert "generation 0 failed with no process lost (a false alarm" in output
@@ -248,8 +250,8 @@ def test_fsdp_rank_0_dies_in_an_async_save_a_spare_takes_its_shards_and_the_save
     # re-formed group and restores its shards from the memory tier, the spare rank 0's from rank 0's
     # slot. Rank 0 dies in the background write of step 8's checkpoint, its shards written but not
     # committed: the survivor's part of that save fails with the group, and step 8 is never loaded.
-    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--async-save", "--crash-in-save", 8, script="fsdp/train.py",
-                           spares=1)
+    output = survivors_run(tmp_path, *SMALL, *DROPOUT, "--async-save", script="fsdp/train.py", spares=1,
+                           faults="crash-in-save=8")
     assert "injected crash: rank 0 while saving step 8" in output
     assert "rank 1: the save of step 8 in flight when a peer was lost: not committed" in output
     survivor, recovered = process_story(tmp_path, 1)

@@ -18,7 +18,7 @@ def test_token_file_grad_accum_and_eval_survive_a_crash_bitwise(tmp_path):
     write_tokens(data, TOKENS, header=False)
     flags = [*SMALL, *DROPOUT, "--data", data, "--vocab", 300, "--grad-accum", 2]
     torchrun("fsdp/train.py", 2, tmp_path / "reference", *flags)
-    proc = torchrun("fsdp/train.py", 2, tmp_path / "crashed", *flags, "--eval-every", 5, "--crash-at-step", 6,
+    proc = torchrun("fsdp/train.py", 2, tmp_path / "crashed", *flags, "--eval-every", 5, faults="crash-at-step=6",
                     restarts=1)
     # The survivor of the crash says so in one line; its traceback is in a file, not on the console.
     assert "rank 0: peer lost (" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -1,8 +1,20 @@
-"""Fault injection for the tests and the chaos soak, in one place: a tier of its own. Each script makes
-a Faults only when one of its FAULTS flags is set (ddp and fsdp in open_tiers, rpc in main), and calls
-its hooks where `faults` is not None; the checkpointer and the memory tier are handed the hooks that
-fire inside them. To copy a script without faults, delete this module, that block, the `if faults:`
-lines and the Config fields marked "fault injection".
+"""Fault injection for the tests and the chaos soak, in one place: a tier of its own, asked for by one
+environment variable, so that no script's --help or Config carries a test-only flag.
+
+    FT_FAULTS=crash-at-step=25 bash run.sh ddp 2 --steps 40 --save-every 10   # the last rank dies after step 25
+    FT_FAULTS=crash-in-snapshot=12,rank=0 bash run.sh fsdp 2 --steps 40   # rank 0 dies copying step 12's snapshot
+
+FT_FAULTS is comma-separated `kind=N` pairs, N the step (> 0) at which that fault fires, each kind at
+most once, and `rank=R`, the rank they hit (-1, the default: the last rank). The kinds, and which
+script has a hook for each (KINDS), are the hooks of Faults below. Like any environment variable it
+passes through torchrun, run.sh and the survivors' supervisor to every worker; a harness gives it to
+the faulted job alone, never to the reference run it compares with.
+
+Each script's check() refuses a bad FT_FAULTS in one line before any worker starts (fault_problems);
+its workers make a Faults only when FT_FAULTS is set (ddp and fsdp in open_tiers, rpc in main), and
+call its hooks where `faults` is not None; the checkpointer and the memory tier are handed the hooks
+that fire inside them. To copy a script without faults, delete this module and the script's two
+`if os.environ.get("FT_FAULTS")` blocks: `faults` is then always None.
 
 Every fault is tied to a step, never to a time, so it lands in training however fast the machine
 is. Crashes fire only in torchrun's first attempt, so the restarted job runs clean; a NaN loss fires
@@ -12,6 +24,54 @@ import os
 import signal
 import sys
 import time
+
+# The fault kinds each script has hooks for.
+KINDS = {
+    "ddp": ("crash-at-step", "crash-in-save", "crash-in-snapshot", "freeze-at-step", "pause-at-step", "nan-at-step"),
+    "fsdp": ("crash-at-step", "crash-in-save", "crash-in-staging", "crash-in-snapshot", "freeze-at-step",
+             "nan-at-step"),
+    "rpc": ("crash-at-step", "crash-in-save", "drop-trainer-at-step", "nan-at-step"),
+}
+
+
+def parse(spec, script=None):
+    """{kind: N, and "rank": R if given} of the FT_FAULTS value `spec`; a ValueError of one line if it is
+    not right, or (with `script`) asks for a kind that script has no hook for."""
+    known = list(dict.fromkeys(kind for kinds in KINDS.values() for kind in kinds))
+    faults = {}
+    for part in spec.split(","):
+        kind, is_pair, value = (word.strip() for word in part.partition("="))
+        if not is_pair:
+            raise ValueError(f"{part.strip()!r} is not kind=N")
+        if kind != "rank" and kind not in known:
+            raise ValueError(f"no fault {kind!r}: choose from {', '.join(known)} (and rank=R)")
+        if kind != "rank" and script and kind not in KINDS[script]:
+            raise ValueError(f"{kind} is not a fault of {script}'s: choose from {', '.join(KINDS[script])}")
+        if kind in faults:
+            raise ValueError(f"{kind} is given twice")
+        try:
+            faults[kind] = int(value)
+        except ValueError:
+            raise ValueError(f"{kind} must be an integer, got {value!r}") from None
+        if kind != "rank" and faults[kind] <= 0:
+            raise ValueError(f"{kind} must be > 0 (a step), got {faults[kind]}")
+    if set(faults) == {"rank"}:
+        raise ValueError("no fault asked for, only its rank")
+    return faults
+
+
+def fault_problems(script):
+    """The problem with FT_FAULTS for `script` ("ddp", "fsdp" or "rpc"), in one line, or none."""
+    spec = os.environ["FT_FAULTS"]
+    try:
+        faults = parse(spec, script)
+    except ValueError as e:
+        return [f"FT_FAULTS={spec}: {e}"]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if "drop-trainer-at-step" in faults and faults.get("rank", -1) % world == 0:
+        return [f"FT_FAULTS={spec}: drop-trainer-at-step drops a trainer, and rank 0 is the server: "
+                f"pick a rank in 1..{world - 1}"]
+    return []
 
 
 def first_attempt():
@@ -27,65 +87,65 @@ def crash(reason):
 
 
 class Faults:
-    """The faults a script's flags ask for (its Config's fields marked "fault injection"), as hooks.
+    """The faults FT_FAULTS asks for, as hooks.
 
-    `rank` is this process's rank, `world` the world size (--crash-rank -1 is the last rank), `name`
-    how a crash names this process in its one line ("rank 1", "server", "trainer 2")."""
+    `cfg` is the script's (pause-at-step reads its --hang-timeout-s), `rank` this process's rank, `world`
+    the world size (rank=-1 is the last rank), `name` how a crash names this process in its one line
+    ("rank 1", "server", "trainer 2")."""
 
     def __init__(self, cfg, rank, world, name=None):
         self.cfg, self.rank, self.name = cfg, rank, name or f"rank {rank}"
-        self.crash_rank = getattr(cfg, "crash_rank", -1) % world
+        self.at = parse(os.environ["FT_FAULTS"])  # kind -> step (check() refused a bad value)
+        self.crash_rank = self.at.pop("rank", -1) % world
 
-    def _flag(self, name):
-        return getattr(self.cfg, name, None)  # None: not asked for, or the field deleted with the faults
-
-    def _due(self, at, step, previous):
-        """`at` falls in (previous, step] on the crash rank, in the first attempt; previous defaults to
-        step - 1 (the rpc trainers' steps may skip past it in async mode)."""
+    def _due(self, kind, step, previous):
+        """The step of `kind` falls in (previous, step] on the crash rank, in the first attempt; previous
+        defaults to step - 1 (the rpc trainers' steps may skip past it in async mode)."""
+        at = self.at.get(kind)
         previous = step - 1 if previous is None else previous
         return at is not None and previous < at <= step and self.rank == self.crash_rank and first_attempt()
 
     def poison_loss(self, loss, step):
-        """--nan-at-step: the loss of step N (the step after `step` completed steps) is NaN, a tensor's
-        or a number's."""
-        return loss * float("nan") if self._flag("nan_at_step") == step + 1 else loss
+        """nan-at-step: the loss of step N (the step after `step` completed steps) is NaN, a tensor's or a
+        number's, on every rank (rpc async: trainer step N)."""
+        return loss * float("nan") if self.at.get("nan-at-step") == step + 1 else loss
 
     def after_step(self, step, previous=None):
-        """--crash-at-step: the crash rank dies once it has completed step N, before saving it;
-        --freeze-at-step: it stops there (SIGSTOP), as a hung process would, until someone kills it;
-        --pause-at-step: it sleeps there 1.5 --hang-timeout-s, its peers' collectives time out."""
-        if self._due(self._flag("crash_at_step"), step, previous):
+        """crash-at-step: the crash rank dies once it has completed step N, before saving it;
+        freeze-at-step: it stops there (SIGSTOP), as a hung process would, until someone kills it;
+        pause-at-step: it sleeps there 1.5 --hang-timeout-s, its peers' collectives time out."""
+        if self._due("crash-at-step", step, previous):
             crash(f"{self.name} after step {step}")
-        if self._due(self._flag("freeze_at_step"), step, previous):
+        if self._due("freeze-at-step", step, previous):
             print(f"injected freeze: {self.name} after step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if self._due(self._flag("pause_at_step"), step, previous):  # alive: a false alarm, not a death
+        if self._due("pause-at-step", step, previous):  # alive: a false alarm, not a death
             print(f"injected pause: {self.name} after step {step}, {1.5 * self.cfg.hang_timeout_s:.1f} s",
                   file=sys.stderr, flush=True)
             time.sleep(1.5 * self.cfg.hang_timeout_s)
 
     def leaves(self, step, previous=None):
-        """--drop-trainer-at-step (rpc): True where the crash rank should leave silently now."""
-        return self._due(self._flag("drop_trainer_at_step"), step, previous)
+        """drop-trainer-at-step (rpc): True where the crash rank, a trainer, should leave silently now."""
+        return self._due("drop-trainer-at-step", step, previous)
 
     def in_save(self, step, detail=""):
-        """--crash-in-save: a `before_commit` hook that kills the saving process once the bytes of step
-        N's checkpoint are written but not committed, or None."""
-        if self._flag("crash_in_save") == step and first_attempt():
+        """crash-in-save: a `before_commit` hook that kills the saving process (rank 0, rpc's server) once
+        the bytes of step N's checkpoint are written but not committed, or None."""
+        if self.at.get("crash-in-save") == step and first_attempt():
             return lambda: crash(f"{self.name} while saving step {step}{detail}")
         return None
 
     def in_snapshot(self, step):
-        """--crash-in-snapshot: a hook that kills the crash rank halfway through copying step N's memory
+        """crash-in-snapshot: a hook that kills the crash rank halfway through copying step N's memory
         snapshot, before its record is written, or None."""
-        if self._due(self._flag("crash_in_snapshot"), step, None):
+        if self._due("crash-in-snapshot", step, None):
             return lambda: crash(f"{self.name} while copying the memory snapshot of step {step}")
         return None
 
     def stager(self, options, step):
-        """--crash-in-staging (fsdp --async-save): a DCP stager that kills the crash rank in its staging
+        """crash-in-staging (fsdp --async-save): a DCP stager that kills the crash rank in its staging
         thread as it starts copying the shards of step N (the training loop goes on meanwhile), or None."""
-        if not self._due(self._flag("crash_in_staging"), step, None):
+        if not self._due("crash-in-staging", step, None):
             return None
         from torch.distributed.checkpoint.staging import DefaultStager  # only fsdp needs DCP here
 
