@@ -94,22 +94,6 @@ def atomic_save(obj, path, before_commit=None):
     return atomic_write(path, lambda f: torch.save(obj, f), before_commit)
 
 
-def cpu_copy(obj, pin, memo=None):
-    """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
-    pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
-    tensor met twice (tied weights) is copied once, as torch.save would store it once."""
-    memo = {} if memo is None else memo
-    if torch.is_tensor(obj):
-        if id(obj) not in memo:
-            memo[id(obj)] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v, pin, memo) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v, pin, memo) for v in obj)
-    return obj
-
-
 def atomic_write_json(obj, path):
     return atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
 
