@@ -105,9 +105,8 @@ class BaseCheckpointer:
 
     def resume(self, launched_at):
         """Restore the state from the newest source that loses the least: a tier's (the memory tier: a
-        snapshot newer than the disk's newest checkpoint), else the newest checkpoint on disk (the
-        script's load()), else a fresh start. Logs the attempt's start event (`launched_at`: the
-        process's start). Returns the step resumed from, or None."""
+        snapshot newer than the disk's newest checkpoint), else the disk's (load()), else a fresh start;
+        log the attempt's start (`launched_at`: the process's). Returns the step resumed from, or None."""
         step = self.restore()
         self.each("before_load", step)  # (the archive: a run folder without checkpoints gets its newest)
         if step is None:

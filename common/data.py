@@ -1,17 +1,14 @@
-"""Step-indexed data and learning rate: the global batch of step s is a pure function of (seed, s), its
-learning rate of s (lr_at).
+"""Step-indexed data and learning rate: the global batch of step s is a pure function of (seed, s), and
+its learning rate of s (lr_at). Rank r of W takes rows [r*B/W, (r+1)*B/W) of it, so the data position
+is exactly the step: nothing about the data is lost on resume, and every world size sees the same
+samples.
 
-Rank r of W takes rows [r*B/W, (r+1)*B/W) of it. The data position is therefore exactly the
-step: nothing about the data can be lost on resume, and every world size sees the same
-global samples.
-
-Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with a random start
-x0 and stride k per row. Predicting a token needs the two before it, so the loss falls from
-log(vocab) to near zero within a few hundred steps of a tiny model.
-
-With a `source` (anything with `tokens()`, an array of token ids, and `format`, its description: a
-token file, opened by the script when --data asks for one): windows of seq_len + 1 tokens at random
-offsets of it, so a step reads only the rows it draws.
+Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with a random start x0 and
+stride k per row. Predicting a token needs the two before it, so the loss falls from log(vocab) to
+near zero within a few hundred steps of a tiny model. With a `source` (anything with `tokens()`, an
+array of token ids, and `format`, its description: a token file, opened by the script when --data
+asks for one): windows of seq_len + 1 tokens at random offsets of it, so a step reads only the rows
+it draws.
 """
 import math
 

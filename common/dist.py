@@ -2,6 +2,7 @@
 flag, the loss and a stop); collective timeouts; a lost peer in one line; teardown and print0."""
 import contextlib
 import datetime
+import json
 import os
 import signal
 import socket
@@ -39,10 +40,8 @@ def pick_device(choice, local_rank, local_world_size):
 
 
 def setup(device_choice="auto", timeout_s=300):
-    """init_process_group for torchrun, or for a plain `python script.py` (world size 1).
-
-    Returns (rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
-    """
+    """init_process_group for torchrun, or for a plain `python script.py` (world size 1): (rank,
+    world_size, device). gloo on CPU, NCCL on CUDA, same code."""
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -105,9 +104,9 @@ def refuse_unsafe_restarts():
 
 # ----------------------------------------------------------------------------- waits for async collectives
 # The collectives these scripts wait for themselves (DDP's comm hook, agree, the gathers) are issued with
-# async_op and waited for here. A launcher that replaces a lost process alone must end such a wait from
-# another thread (gloo cannot abort a collective, pytorch issue 130345): it sets `waiter`, which takes
-# the work and returns the future to wait for in its place.
+# async_op and waited for here. A launcher that replaces a lost process alone, and so must end such a wait
+# from another thread (gloo cannot abort a collective, pytorch issue 130345), sets `waiter`: work -> the
+# future to wait for in its place.
 waiter = None
 
 
@@ -129,7 +128,6 @@ def gather_json(value, group=None):
     never a pickle, so that a process that got into the group (a rank's place taken from a job's store)
     can send a wrong value but never run code here (json.loads makes only dicts, lists, strings,
     numbers). Tuples come back as lists, dict keys as strings."""
-    import json
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
@@ -287,9 +285,8 @@ def fence_local_workers():
 
 
 def teardown(timeout_s=10):
-    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097; seen here
-    once in about 30 runs, torch 2.11, gloo, after a job's last step and its summary), and the scripts
-    leave without the interpreter's finalization anyway (exit_without_finalizing)."""
+    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097), and the
+    scripts leave without the interpreter's finalization anyway (exit_without_finalizing)."""
     if not dist.is_initialized():
         return
     destroy = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)

@@ -61,10 +61,9 @@ def leave_stop_code(code):
 
 
 def end_if_stopped():
-    """End at once a torchrun restart that follows a stop of this launch (its code in the stop file):
-    torchrun restarts the whole group when any worker fails, and one may fail after a stop (a peer of
-    the stopped ranks, a trainer the server killed), or (plain torchrun) the stop itself. Exits 0 under
-    the launcher, which reports the stop's code, and with the code under plain torchrun."""
+    """End at once a torchrun restart that follows a stop of this launch (its code in the stop file), as
+    stop() ends: torchrun restarts the whole group when any worker fails, and one may fail after a stop
+    (a peer of the stopped ranks, a trainer the server killed), or (plain torchrun) the stop itself."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return
     path = stop_file()
