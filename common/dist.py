@@ -103,23 +103,19 @@ def refuse_unsafe_restarts():
 
 
 # ----------------------------------------------------------------------------- waits for async collectives
-# The collectives these scripts wait for themselves (DDP's comm hook, agree, the gathers) are issued with
-# async_op and waited for here. A launcher that replaces a lost process alone, and so must end such a wait
-# from another thread (gloo cannot abort a collective, pytorch issue 130345), sets `waiter`: work -> the
-# future to wait for in its place.
-waiter = None
+waiter = None  # set by a launcher that replaces a lost process alone: see wait
 
 
 def wait(work):
-    """Wait for an async collective's `work` (`dist.all_reduce(..., async_op=True)`)."""
-    if waiter is None:
-        work.wait()
-    else:
-        waiter(work).wait()
+    """Wait for an async collective's `work` (`dist.all_reduce(..., async_op=True)`): the collectives these
+    scripts wait for themselves (DDP's comm hook, agree, the gathers). A launcher that must end such a
+    wait from another thread (gloo cannot abort a collective, pytorch issue 130345) sets `waiter`, work ->
+    the future to wait for in its place."""
+    (work if waiter is None else waiter(work)).wait()
 
 
 def future_of(work):
-    """The future of an async collective's `work`, for a DDP comm hook to return."""
+    """`work`'s future, or `waiter`'s (see wait), for a DDP comm hook to return."""
     return work.get_future() if waiter is None else waiter(work)
 
 
