@@ -10,9 +10,10 @@
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
 optimizer, step, config and every rank's RNG state into one file, atomically (ddp/checkpoint.py);
-every rank resumes from the newest file that loads. Data and learning rate are functions of the step, so a crashed and
-restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
-stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
+every rank resumes from the newest file that loads. Data and learning rate are functions of the
+step, so a crashed and restarted job ends with exactly the weights of one that never crashed. A loss
+that is not finite stops the job before it saves; checkpoints that do not load are moved aside,
+never deleted.
 The optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
 """
 import contextlib
