@@ -9,12 +9,11 @@
     bash run.sh ddp 4 --survivors --spares 1           # a dead rank replaced alone, by a waiting spare
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
-optimizer, step, config and every rank's RNG state into one file, atomically (ddp/checkpoint.py);
-every rank resumes from the newest file that loads. Data and learning rate are functions of the
-step, so a crashed and restarted job ends with exactly the weights of one that never crashed. A loss
-that is not finite stops the job before it saves; checkpoints that do not load are moved aside,
-never deleted.
-The optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
+optimizer, step, config and every rank's RNG state into one file, atomically (ddp/checkpoint.py); every
+rank resumes from the newest file that loads. Data and learning rate are functions of the step, so a
+crashed and restarted job ends with exactly the weights of one that never crashed. A loss that is not
+finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted. The
+optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
 """
 import contextlib
 import dataclasses
