@@ -1,9 +1,8 @@
 """Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup, keep-last-K,
 moving unreadable checkpoints aside, the settings check on resume, RNG capture and the parameter
-digest. The run folder's checks are common/rundir.py's; when to save, and the resume's ladder, are
+digest. What a checkpoint contains, its format version, and how it is restored stay in each script;
+the run folder's checks are common/rundir.py's; when to save, and the resume's ladder,
 common/checkpointer.py's.
-
-What a checkpoint contains, its format version, and how it is restored stay in each script.
 
 Layout: <run-dir>/ckpt/step-NNNNNNNN.pt (one file, committed by its atomic rename) or
 <run-dir>/ckpt/step-NNNNNNNN/ (a DCP folder, committed once its `.metadata` exists, which DCP
@@ -60,13 +59,11 @@ class _WriteErrors:
 
 
 def atomic_write(path, write, before_commit=None, mode=0o666):
-    """Write a file through `write(f)` to a temp file in the same folder, fsync, rename, fsync the folder.
-
-    A crash at any point leaves either the old state or the complete new file, never a partial
-    `path`. `before_commit` runs when the bytes are on disk but not yet committed (fault injection).
-    The temp file is made afresh (a link in its place is removed, not followed), with `mode` (less the
-    umask). Returns the number of bytes written.
-    """
+    """Write a file through `write(f)` to a temp file in the same folder, fsync, rename, fsync the folder:
+    a crash at any point leaves either the old state or the complete new file, never a partial `path`.
+    `before_commit` runs when the bytes are on disk but not yet committed (fault injection). The temp
+    file is made afresh (a link in its place is removed, not followed), with `mode` (less the umask).
+    Returns the number of bytes written."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a crashed process's, whose pid this one reuses
@@ -92,22 +89,6 @@ def atomic_write(path, write, before_commit=None, mode=0o666):
 def atomic_save(obj, path, before_commit=None):
     """torch.save, committed atomically (see atomic_write)."""
     return atomic_write(path, lambda f: torch.save(obj, f), before_commit)
-
-
-def cpu_copy(obj, pin, memo=None):
-    """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
-    pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
-    tensor met twice (tied weights) is copied once, as torch.save would store it once."""
-    memo = {} if memo is None else memo
-    if torch.is_tensor(obj):
-        if id(obj) not in memo:
-            memo[id(obj)] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v, pin, memo) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v, pin, memo) for v in obj)
-    return obj
 
 
 def atomic_write_json(obj, path):
@@ -215,12 +196,10 @@ def restore_rng(rngs, saved_world, seed, step, rank, world):
 
 def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):
     """Check a checkpoint's saved record (its `format` and `config`) against this run's config and
-    the format `fmt` that this script writes and reads.
-
-    Returns (problem, changes): `problem` is a one-line reason to refuse the resume, or None;
-    `changes` lists the settings that differ ("lr 0.003 -> 0.01"). A change of `shape_fields` (the
-    model's weights would not fit) is always refused; a change of `sample_fields` (which samples a
-    step sees: seed, batch, data) unless `allow_changes`."""
+    the format `fmt` that this script writes and reads. Returns (problem, changes): `problem` is a
+    one-line reason to refuse the resume, or None; `changes` lists the settings that differ ("lr 0.003
+    -> 0.01"). A change of `shape_fields` (the model's weights would not fit) is always refused; a
+    change of `sample_fields` (which samples a step sees: seed, batch, data) unless `allow_changes`."""
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         return "not a checkpoint of these scripts (no config in it); use another --run-dir", []
     if saved.get("format") != fmt:

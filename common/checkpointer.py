@@ -1,31 +1,24 @@
-"""When a script saves, and the rungs of its resume that every script shares (BaseCheckpointer, which a
-script's Checkpointer subclasses with what its checkpoint holds), and the disk interval by Young and
-Daly's rule.
+"""When a script saves, and the rungs of its resume that every script shares (BaseCheckpointer), and the
+disk interval by Young and Daly's rule.
 
-A tier (tiers/: the memory tier, the light checkpoints, the archive) is an object the script opens in
-its flag's block and hands over in `tiers`; the checkpointer calls each tier at these moments, where
-the tier has the method, in the order of the list, and knows nothing else of it:
+A tier (the memory tier, the light checkpoints, the archive) is an object the script opens in its
+flag's block and hands over in `tiers`; the checkpointer calls each tier at these moments, where the
+tier has the method, in the order of the list, and knows nothing else of it:
     after_step(step, checkpointer)  every step, before a disk save is due: a memory snapshot, a light checkpoint
     pinned()                        rank 0, keep-K: the steps not to delete yet (not yet copied elsewhere)
     committed(step, path)           rank 0: the checkpoint of `step` has committed at `path`
     restore(checkpointer)           a resume's first rung: the step the tier restored, or None (the next one)
     before_load(restored)           before the disk's rung (`restored`: the step restored already, or None)
     in_flight()                     what the step overlapped, for its metrics: a dict
-    settle()                        a peer was lost (tiers/survivors.py): end what is in flight
-    regroup(checkpointer)           the tier opened again over a re-formed process group (None: off)
     preempted(step)                 the job stops for a restart, `step` committed on disk: what it held of it goes
     finish(done)                    the end of the job (`done`), or a stop: what the tier holds is closed
     summary()                       rank 0's fields of summary.json: a dict
 """
-import concurrent.futures
 import math
 import os
 import statistics
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,30 +27,10 @@ from common.checkpoint import checkpoints, prune
 from common.dist import PREEMPTED, print0, restarts, set_collective_timeout, wait
 
 
-@dataclass
-class PendingSave:
-    """A checkpoint being saved (ddp and rpc: one file, written by rank 0). blocking_s is what the training
-    loop waited for it: all of a synchronous save; for an async one the CPU copy (staging_s), then the
-    wait for its write before the next save (not the wait at the end of the job: no step is left to
-    stall). `future` is the write in its thread (its result: the bytes written)."""
-    step: int
-    t0: float
-    blocking_s: float = 0.0
-    staging_s: Optional[float] = None
-    done_at: Optional[float] = None
-    future: Optional[Future] = None
-
-
 class BaseCheckpointer:
-    """When a script saves, and the rungs of its resume that every script shares: a script's
-    Checkpointer subclasses it with what its checkpoint holds, write(step, asynchronous) -> the save
-    still in flight or None, commit(pending, in_loop), and load(), the resume from disk.
-
-    The loop calls save(step, stop) after each step: the tiers' after_step, then a disk checkpoint every
-    --save-every steps (--save-every 0: an interval by Young and Daly's rule), at the last step, and
-    when the job is stopped (a preemption: then it exits 143 for a restart), one save in flight at a
-    time. finish() at the end commits the last save. `tiers` are the script's (see the module's
-    docstring), `guard` the StepGuard (common/dist.py), `step_times` the loop's list."""
+    """A script's Checkpointer subclasses it with what its checkpoint holds: write(step, asynchronous) ->
+    the save still in flight or None, commit(pending, in_loop), and load(), the resume from disk. `guard`
+    is the StepGuard (common/dist.py), `step_times` the loop's list."""
 
     def __init__(self, cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers=()):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -72,9 +45,10 @@ class BaseCheckpointer:
         return [getattr(tier, hook)(*args) for tier in self.tiers if hasattr(tier, hook)]
 
     def save(self, step, stop=False):
-        """After step `step`: the tiers' work (a memory snapshot is copied in a thread while the next step
-        computes), and a disk checkpoint when due; then, if the job was stopped before its last step,
-        exit 143."""
+        """The loop's call after step `step`: the tiers' after_step (a memory snapshot is copied in a thread
+        while the next step computes), then a disk checkpoint every --save-every steps (0: an interval by
+        Young and Daly's rule), at the last step, and when the job is stopped (`stop`: a preemption, which
+        then exits 143 for a restart), one save in flight at a time."""
         self.each("after_step", step, self)
         if step % self.save_every == 0 or step == self.cfg.steps or stop:
             t0 = time.perf_counter()
@@ -131,9 +105,8 @@ class BaseCheckpointer:
 
     def resume(self, launched_at):
         """Restore the state from the newest source that loses the least: a tier's (the memory tier: a
-        snapshot newer than the disk's newest checkpoint), else the newest checkpoint on disk (the
-        script's load()), else a fresh start. Logs the attempt's start event (`launched_at`: the
-        process's start). Returns the step resumed from, or None."""
+        snapshot newer than the disk's newest checkpoint), else the disk's (load()), else a fresh start;
+        log the attempt's start (`launched_at`: the process's). Returns the step resumed from, or None."""
         step = self.restore()
         self.each("before_load", step)  # (the archive: a run folder without checkpoints gets its newest)
         if step is None:
@@ -145,27 +118,6 @@ class BaseCheckpointer:
     def restore(self):
         """The step the first tier that has one restored, or None."""
         return next((step for step in self.each("restore", self) if step is not None), None)
-
-    def settle(self, timeout_s):
-        """A peer was lost (tiers/survivors.py): the tiers' work in flight ends, and so does the save in
-        flight, waited for up to `timeout_s`: committed whole, or left uncommitted (never loaded); its
-        collectives fail with the group, its commit is atomic."""
-        self.each("settle")
-        pending, self.pending = self.pending, None
-        future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
-        if future is not None:
-            done, _ = concurrent.futures.wait([future], timeout=timeout_s)
-            error = future.exception() if done else TimeoutError(f"still running after {timeout_s} s")
-            if error or self.rank == 0:
-                print(f"rank {self.rank}: the save of step {pending.step} in flight when a peer was lost: "
-                      + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
-
-    def regroup(self):
-        """This checkpointer over a re-formed process group (DDP: the model is whole on every rank): the
-        tiers opened again over it. Returns itself."""
-        self.tiers = [tier.regroup(self) if hasattr(tier, "regroup") else tier for tier in self.tiers]
-        self.tiers = [tier for tier in self.tiers if tier is not None]
-        return self
 
 
 def young_daly_steps(save_s, step_s, mtbf_h, device):

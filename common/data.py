@@ -1,17 +1,17 @@
-"""Step-indexed data: the global batch of step s is a pure function of (seed, s).
+"""Step-indexed data and learning rate: the global batch of step s is a pure function of (seed, s), and
+its learning rate of s (lr_at). Rank r of W takes rows [r*B/W, (r+1)*B/W) of it, so the data position
+is exactly the step: nothing about the data is lost on resume, and every world size sees the same
+samples.
 
-Rank r of W takes rows [r*B/W, (r+1)*B/W) of it. The data position is therefore exactly the
-step: nothing about the data can be lost on resume, and every world size sees the same
-global samples.
-
-Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with a random start
-x0 and stride k per row. Predicting a token needs the two before it, so the loss falls from
-log(vocab) to near zero within a few hundred steps of a tiny model.
-
-With a `source` (anything with `tokens()`, an array of token ids, and `format`, its description: a
-token file of tiers/tokens.py, opened by the script when --data asks for one): windows of seq_len + 1
-tokens at random offsets of it, so a step reads only the rows it draws.
+Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with a random start x0 and
+stride k per row. Predicting a token needs the two before it, so the loss falls from log(vocab) to
+near zero within a few hundred steps of a tiny model. With a `source` (anything with `tokens()`, an
+array of token ids, and `format`, its description: a token file, opened by the script when --data
+asks for one): windows of seq_len + 1 tokens at random offsets of it, so a step reads only the rows
+it draws.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -23,7 +23,7 @@ class StepData:
     def __init__(self, seed, global_batch, seq_len, vocab, source=None):
         self.seed, self.global_batch, self.seq_len, self.vocab = seed, global_batch, seq_len, vocab
         self.tokens, self.format = None, f"synthetic arithmetic sequences (vocab {vocab})"
-        if source is not None:  # a token file (tiers/tokens.py)
+        if source is not None:  # a token file
             self.tokens, self.format = source.tokens(), source.format
 
     def global_rows(self, step):
@@ -63,3 +63,11 @@ def eval_batches(cfg, rank, world_size, source=None):
     if rank == 0:
         print(f"eval: every {cfg.eval_every} steps, {cfg.eval_batches} batches of {val.format}", flush=True)
     return val.held_out(cfg.eval_batches, rank, world_size)
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))

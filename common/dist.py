@@ -2,6 +2,7 @@
 flag, the loss and a stop); collective timeouts; a lost peer in one line; teardown and print0."""
 import contextlib
 import datetime
+import json
 import os
 import signal
 import socket
@@ -39,10 +40,8 @@ def pick_device(choice, local_rank, local_world_size):
 
 
 def setup(device_choice="auto", timeout_s=300):
-    """init_process_group for torchrun, or for a plain `python script.py` (world size 1).
-
-    Returns (rank, world_size, device). gloo on CPU, NCCL on CUDA, same code.
-    """
+    """init_process_group for torchrun, or for a plain `python script.py` (world size 1): (rank,
+    world_size, device). gloo on CPU, NCCL on CUDA, same code."""
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -78,14 +77,6 @@ def loopback_store(rank, world_size, timeout):
     return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, master_listen_fd=fd)
 
 
-def loopback_rendezvous(url, **_):
-    """A rendezvous handler ("loopback://", rank and world size in the query) for what takes an init
-    method, not a store (init_rpc: rpc/ps.py), on one node: loopback_store, its timeout then set by the caller."""
-    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
-    rank, world = int(query["rank"]), int(query["world_size"])
-    yield loopback_store(rank, world, datetime.timedelta(seconds=300)), rank, world
-
-
 def keep_on_loopback():
     """A job on one node: gloo's sockets (and TensorPipe's, for rpc) on the loopback too. Each binds to the
     address the host's name resolves to, which many hosts map to their network address."""
@@ -111,92 +102,28 @@ def refuse_unsafe_restarts():
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
 
-# ----------------------------------------------------------------------------- waits another thread can end
-# gloo cannot abort a collective (its abort() is a no-op, pytorch issue 130345) and a survivor that does
-# not talk to a dead peer waits for its timeout. So the collectives these scripts wait for themselves
-# (DDP's comm hook, agree, the object gathers) are issued with async_op and waited through
-# interruptible(): interrupt(), called by another thread (the survivors' watcher, tiers/survivors.py,
-# when the job's store says a peer was lost), fails every such wait at once, and every later one until
-# resume_waits(). The work left behind ends at its own timeout, in the background.
-PEER_LOST_NOW = "a peer was lost"  # the words of an interrupted wait (common.dist.PEER_LOST knows them)
-_waits = threading.Lock()
-_pending = {}  # future -> when its wait began
-_interrupted = [None]  # the reason, while waits are interrupted
-
-
-def interruptible(future):
-    """A future that completes as `future` (a collective's) does, or fails at once when another thread
-    calls interrupt()."""
-    out = torch.futures.Future()
-    with _waits:
-        reason = _interrupted[0]
-        if reason is None:
-            _pending[out] = time.monotonic()
-    if reason is not None:
-        out.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
-        return out
-
-    def settle(done):
-        with _waits:
-            if _pending.pop(out, None) is None:  # interrupted already
-                return
-        try:
-            out.set_result(done.value())
-        except Exception as e:  # the collective's own error (a peer's closed socket, its timeout)
-            out.set_exception(e)
-    future.add_done_callback(settle)
-    return out
+# ----------------------------------------------------------------------------- waits for async collectives
+waiter = None  # set by a launcher that replaces a lost process alone: see wait
 
 
 def wait(work):
-    """Wait for an async collective's work (`dist.all_reduce(..., async_op=True)`), interruptibly."""
-    try:
-        future = work.get_future()
-    except RuntimeError:  # gloo's isend and irecv have no future, nor say when done: a thread waits
-        future = torch.futures.Future()
-
-        def wait_in_thread():
-            try:
-                work.wait()
-                future.set_result(None)
-            except Exception as e:
-                future.set_exception(e)
-        threading.Thread(target=wait_in_thread, name="wait", daemon=True).start()
-    interruptible(future).wait()
+    """Wait for an async collective's `work` (`dist.all_reduce(..., async_op=True)`): the collectives these
+    scripts wait for themselves (DDP's comm hook, agree, the gathers). A launcher that must end such a
+    wait from another thread (gloo cannot abort a collective, pytorch issue 130345) sets `waiter`, work ->
+    the future to wait for in its place."""
+    (work if waiter is None else waiter(work)).wait()
 
 
-def interrupt(reason):
-    """Fail every interruptible wait now in progress, and every later one until resume_waits()."""
-    with _waits:
-        _interrupted[0] = reason
-        pending = list(_pending)
-        _pending.clear()
-    for future in pending:
-        future.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
-
-
-def interrupted():
-    """Whether waits are interrupted now (interrupt() was called, resume_waits() not yet)."""
-    return _interrupted[0] is not None
-
-
-def resume_waits():
-    with _waits:
-        _interrupted[0] = None
-
-
-def oldest_wait_s():
-    """How long the oldest interruptible wait in progress has waited (0: none)."""
-    with _waits:
-        return time.monotonic() - min(_pending.values()) if _pending else 0.0
+def future_of(work):
+    """`work`'s future, or `waiter`'s (see wait), for a DDP comm hook to return."""
+    return work.get_future() if waiter is None else waiter(work)
 
 
 def gather_json(value, group=None):
-    """Every rank's `value` of `group` (default: the world), in rank order, its waits interruptible: JSON
-    text in a uint8 tensor, never a pickle, so that a process that got into the group (a rank's place
-    taken from the store, tiers/survivors.py) can send a wrong value but never run code here (json.loads
-    makes only dicts, lists, strings, numbers). Tuples come back as lists, dict keys as strings."""
-    import json
+    """Every rank's `value` of `group` (default: the world), in rank order: JSON text in a uint8 tensor,
+    never a pickle, so that a process that got into the group (a rank's place taken from a job's store)
+    can send a wrong value but never run code here (json.loads makes only dicts, lists, strings,
+    numbers). Tuples come back as lists, dict keys as strings."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
@@ -262,7 +189,7 @@ class StepGuard:
             set_collective_timeout(self.step_timeout_s)
 
 
-_timeout_s = [300.0]  # the world's, as set_collective_timeout last set it
+_timeout_s = [300.0]  # the world's, as set_collective_timeout last set it (torch has no getter)
 
 
 def set_collective_timeout(seconds, group=None):
@@ -274,6 +201,7 @@ def set_collective_timeout(seconds, group=None):
 
 
 def collective_timeout_s():
+    """The timeout of the world's collectives now."""
     return _timeout_s[0]
 
 
@@ -290,16 +218,26 @@ def exit_without_finalizing():
 # What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
 # answers by restarting the workers.
 PEER_HUNG = ("Timed out", "timed out", "timeout caused pair closure")
+PEER_LOST_NOW = "a peer was lost"  # a wait that a `waiter` ended from another thread
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
              PEER_LOST_NOW, *PEER_HUNG)
 
 
+def torchrun_restarts(reason):
+    """(what follows a peer lost for `reason`, the pids SIGKILLed first): torchrun restarts the workers;
+    after a hung peer, this node's other workers are fenced first (fence_local_workers)."""
+    return "torchrun will restart the workers", fence_local_workers() if reason in PEER_HUNG else []
+
+
+after_peer_loss = torchrun_restarts  # a launcher that replaces a lost process alone sets its own
+
+
 @contextlib.contextmanager
-def peer_loss_in_one_line(run_dir, supervised=False):
+def peer_loss_in_one_line(run_dir):
     """A collective that fails because a peer died or hung (a crash that torchrun recovers from): one
     line, and the traceback in <run-dir>/traceback-rank<r>.txt, instead of 40 lines on the console
-    that read like a disaster. Exit 1, so that torchrun (`supervised`: the survivors' supervisor, which
-    fences on its own) starts a process again. Other errors as they are."""
+    that read like a disaster. Exit 1, so that torchrun (or `after_peer_loss`'s launcher) starts a
+    process again. Other errors as they are."""
     try:
         yield
     except RuntimeError as e:  # gloo's errors are RuntimeErrors; NCCL's DistBackendError is one too
@@ -309,8 +247,7 @@ def peer_loss_in_one_line(run_dir, supervised=False):
         rank, path = os.environ.get("RANK", "0"), Path(run_dir) / f"traceback-rank{os.environ.get('RANK', '0')}.txt"
         with open(path, "a") as f:
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, restart {restarts()}\n{traceback.format_exc()}")
-        then = "the supervisor will start a process in its place" if supervised else "torchrun will restart the workers"
-        fenced = fence_local_workers() if reason in PEER_HUNG and not supervised else []
+        then, fenced = after_peer_loss(reason)
         print(f"rank {rank}: peer lost ({reason}); {then} (traceback: {path})"
               + (f"; SIGKILLed this node's other workers first: pids {fenced}" if fenced else ""),
               file=sys.stderr, flush=True)
@@ -322,7 +259,7 @@ def fence_local_workers():
     node's torchrun agent (the children of this process's parent in the same torchrun run), and return
     their pids. torchrun would stop them all anyway, but with SIGTERM, then its SIGKILL 30 s later: the
     only signal that a stopped (SIGSTOP) or deadlocked process obeys. A SIGKILL at any moment is what the
-    checkpoints are made to survive. (A supervised process's supervisor fences.)"""
+    checkpoints are made to survive."""
     me, agent, run_id = os.getpid(), os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID")
     killed = []
     if run_id is None:  # not under torchrun: no agent, no siblings
@@ -344,9 +281,8 @@ def fence_local_workers():
 
 
 def teardown(timeout_s=10):
-    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097; seen here
-    once in about 30 runs, torch 2.11, gloo, after a job's last step and its summary), and the scripts
-    leave without the interpreter's finalization anyway (exit_without_finalizing)."""
+    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097), and the
+    scripts leave without the interpreter's finalization anyway (exit_without_finalizing)."""
     if not dist.is_initialized():
         return
     destroy = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from common.dist import interruptible, wait
+from common.dist import wait
 
 
 def local_bytes(t):
@@ -157,30 +157,3 @@ class Monitor:
     def close(self):
         if self.file is not None:
             self.file.close()
-
-
-class CommTimer:
-    """A DDP comm hook that all-reduces like the default hook and, on gloo, measures each bucket's
-    all-reduce from launch to completion. `pop()` returns the seconds spent in all-reduce since the last
-    call; None on NCCL, whose futures complete once the all-reduce is queued on its stream (pytorch PR
-    48503), so the same timer would measure only the launch."""
-
-    def __init__(self):
-        self.seconds = None
-
-    def hook(self, state, bucket):
-        start = time.perf_counter()
-        tensor = bucket.buffer().div_(dist.get_world_size())
-        future = interruptible(dist.all_reduce(tensor, async_op=True).get_future())
-        if tensor.is_cuda:
-            return future.then(lambda fut: fut.value()[0])
-
-        def done(fut):
-            self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
-            return fut.value()[0]
-
-        return future.then(done)
-
-    def pop(self):
-        seconds, self.seconds = self.seconds, None
-        return seconds

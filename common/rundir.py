@@ -17,8 +17,8 @@ HELD_LOCKS = []  # the run folder's lock, open for the life of the process (hold
 
 
 def hold_run_dir(run_dir, rank):
-    """Make the run folder and its ckpt/; rank 0 then holds the folder's lock until it exits (a second job
-    would prune this one's checkpoints), and a folder in use stops the job in one line."""
+    """Make the run folder and its ckpt/; rank 0 then holds the folder's lock until it exits, and a folder
+    in use stops the job in one line."""
     (Path(run_dir) / "ckpt").mkdir(parents=True, exist_ok=True)
     if rank == 0:
         lock = lock_run_dir(run_dir)

@@ -1,6 +1,8 @@
-"""The stop that no restart repeats: a worker that stops on purpose (a refused setting, a full disk, a
-diverged loss) leaves its exit code where every torchrun restart of the same launch finds it, and ends
-at once (end_if_stopped, called by each script before it imports torch: this module imports no torch)."""
+"""The stop that no restart repeats. torchrun retries every non-zero exit --max-restarts times, each
+retraining from the last commit; the one status it does not retry is 0. So a worker that stops on
+purpose (a refused setting, a full disk, a diverged loss) first leaves its exit code in its launch's
+stop file, where every restart finds it and ends at once (end_if_stopped, called by each script before
+it imports torch: this module imports no torch)."""
 import os
 import sys
 import tempfile
@@ -12,15 +14,11 @@ STOP_FILE = "FT_STOP_FILE"
 
 
 def stop(code):
-    """End the process with `code`, a stop that trying again would only repeat (a refused setting, a full
-    disk, a diverged loss). torchrun retries every non-zero exit --max-restarts times, each retraining
-    from the last commit, then prints its failure dump and exits 1; the one status it does not retry is
-    0. So under torchrun a worker first leaves `code` in its launch's stop file, where every restart
-    finds it and exits at once (end_if_stopped); then it exits 0 under the launcher, which exits with
-    the code, and with the code under plain torchrun, which then ends non-zero (a scheduler must not
-    record a stop as a success) once its restarts are spent, a few seconds each. Either way without the
-    interpreter's finalization (see common.dist.exit_without_finalizing), which could turn the exit
-    status into a crash's."""
+    """End the process with `code`, having left it in the stop file under torchrun; then exit 0 under the
+    launcher, which exits with the code, and with the code under plain torchrun, which ends non-zero (a
+    scheduler must not record a stop as a success) once its restarts are spent, a few seconds each.
+    Either way without the interpreter's finalization (common.dist.exit_without_finalizing), which could
+    turn the exit status into a crash's."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: the code is the exit status
         raise SystemExit(code)
     leave_stop_code(code)
@@ -63,10 +61,9 @@ def leave_stop_code(code):
 
 
 def end_if_stopped():
-    """End at once a torchrun restart that follows a stop of this launch (its code in the stop file):
-    torchrun restarts the whole group when any worker fails, and one may fail after a stop (a peer of
-    the stopped ranks, a trainer the server killed), or (plain torchrun) the stop itself. Exits 0 under
-    the launcher, which reports the stop's code, and with the code under plain torchrun."""
+    """End at once a torchrun restart that follows a stop of this launch (its code in the stop file), as
+    stop() ends: torchrun restarts the whole group when any worker fails, and one may fail after a stop
+    (a peer of the stopped ranks, a trainer the server killed), or (plain torchrun) the stop itself."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return
     path = stop_file()

@@ -9,21 +9,19 @@
     bash run.sh ddp 4 --survivors --spares 1           # a dead rank replaced alone, by a waiting spare
 
 Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
-optimizer, step, config and every rank's RNG state into one file, atomically; every rank resumes
-from the newest file that loads. Data and learning rate are functions of the step, so a crashed and
-restarted job ends with exactly the weights of one that never crashed. A loss that is not finite
-stops the job before it saves; checkpoints that do not load are moved aside, never deleted.
-The optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
+optimizer, step, config and every rank's RNG state into one file, atomically (ddp/checkpoint.py); every
+rank resumes from the newest file that loads. Data and learning rate are functions of the step, so a
+crashed and restarted job ends with exactly the weights of one that never crashed. A loss that is not
+finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted. The
+optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
 """
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -37,20 +35,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, cpu_copy, keeping_settings, load_newest,
-                               newest_resume_problem, param_digest, refuse_unfit, restore_rng, rng_from_json,
-                               rng_state, rng_to_json, seed_rng, step_name)
-from common.checkpointer import BaseCheckpointer, PendingSave
-from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail,
-                           flag_problems, needs, parse_config)
-from common.data import StepData, eval_batches
-from common.dist import (StepGuard, agree, device_problems, exit_without_finalizing, gather_json,
-                         peer_loss_in_one_line, print0, restarts, setup, teardown)
+from common.checkpoint import atomic_save, atomic_write_json, newest_resume_problem, param_digest
+from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail, flag_problems,
+                           needs, parse_config)
+from common.data import StepData, eval_batches, lr_at
+from common.dist import (StepGuard, device_problems, exit_without_finalizing, future_of, peer_loss_in_one_line, print0,
+                         restarts, setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
-from common.monitor import (CommTimer, Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak,
-                            state_bytes, training_summary)
+from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
+                            training_summary)
 from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
+from ddp.checkpoint import FORMAT, SAMPLE_FIELDS, Checkpointer, read_checkpoint
 
 
 # ----------------------------------------------------------------------------- config
@@ -104,9 +100,6 @@ RANGES = {**SHARED_RANGES, "mtbf_h": HOURS, "hang_timeout_s": HANG, "grad_accum"
           "eval_every": NON_NEGATIVE, "eval_batches": AT_LEAST_ONE, "snapshot_every": NON_NEGATIVE,
           "spares": NON_NEGATIVE, "light_every": POSITIVE, "light_keep": POSITIVE}
 
-# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
-SAMPLE_FIELDS = ("seed", "batch_size", "data")
-
 
 def check(cfg):
     """Every problem with the flags, the environment and the run folder, before training starts."""
@@ -138,14 +131,6 @@ def check(cfg):
     return problems
 
 
-def lr_at(cfg, step):
-    """Linear warmup, then cosine decay to min_lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 def forward_backward(ddp_model, micro_batches, device, bf16):
     """Forward and backward of one step's micro-batches (--grad-accum); returns the step's loss, their mean.
     Gradients add up on each rank; only the last micro-batch's backward all-reduces them."""
@@ -170,117 +155,31 @@ def wrap(model, device):
     return ddp_model, comm
 
 
-# ----------------------------------------------------------------------------- checkpoint
-# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it); a load refuses any other.
-FORMAT = 2
+class CommTimer:
+    """A DDP comm hook that all-reduces like the default hook and, on gloo, measures each bucket's
+    all-reduce from launch to completion. `pop()` returns the seconds spent in all-reduce since the last
+    call; None on NCCL, whose futures complete once the all-reduce is queued on its stream (pytorch PR
+    48503), so the same timer would measure only the launch."""
 
-# A checkpoint file as Checkpointer.write wrote it, its tensors on the CPU (load_state_dict moves them).
-read_checkpoint = functools.partial(torch.load, map_location="cpu", weights_only=True)
+    def __init__(self):
+        self.seconds = None
 
+    def hook(self, state, bucket):
+        start = time.perf_counter()
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        future = future_of(dist.all_reduce(tensor, async_op=True))
+        if tensor.is_cuda:
+            return future.then(lambda fut: fut.value()[0])
 
-class Checkpointer(BaseCheckpointer):
-    """What a checkpoint of this script holds (write), its commit, and the resume; when to save is
-    BaseCheckpointer's (common/checkpointer.py)."""
+        def done(fut):
+            self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
+            return fut.value()[0]
 
-    def __init__(self, *args, faults=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.faults = faults  # the tests' (tiers/faults.py), or None
-        self.write_pool = None  # --async-save: the one thread that writes rank 0's checkpoints
-        if self.cfg.async_save:
-            self.write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-            print0(f"async save: copied on the main thread into "
-                   f"{'pinned' if self.device.type == 'cuda' else 'pageable'} CPU memory, written in a background thread")
+        return future.then(done)
 
-    def write(self, step, asynchronous):
-        """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename; every
-        rank sends it its RNG. Returns the PendingSave, still being written if asynchronous; else None
-        (committed). An async save copies the state into CPU memory on the main thread (pinned on CUDA:
-        a fast copy from the GPU), after which training may change the weights; the write pool then
-        writes, fsyncs and renames the file."""
-        t0 = time.perf_counter()
-        rngs = [rng_from_json(r) for r in gather_json(rng_to_json(rng_state()))]  # every rank's, saved by rank 0
-        pending = PendingSave(step, t0)
-        if self.rank == 0:
-            before_commit = self.faults.in_save(step) if self.faults else None
-            state = {"format": FORMAT, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "step": step, "world_size": self.world, "rng": rngs, "config": dataclasses.asdict(self.cfg)}
-            path = self.ckpt_dir / step_name(step, ".pt")
-            if asynchronous:
-                pin = self.device.type == "cuda"
-                state = cpu_copy(state, pin)
-                if pin:
-                    torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-                pending.staging_s = time.perf_counter() - t0
-                pending.future = self.write_pool.submit(atomic_save, state, path, before_commit=before_commit)
-                pending.future.add_done_callback(lambda _: setattr(pending, "done_at", time.perf_counter()))
-            else:
-                pending.future = Future()  # done already: commit() reports it like an async one
-                try:
-                    pending.future.set_result(atomic_save(state, path, before_commit=before_commit))
-                except Exception as e:  # a full disk: the previous checkpoints stay as they are
-                    pending.future.set_exception(e)
-        pending.blocking_s = time.perf_counter() - t0
-        if self.rank != 0 and asynchronous:  # nothing of it is in flight on this rank
-            pending.done_at = t0 + pending.blocking_s
-        if asynchronous:
-            return pending
-        self.commit(pending)
-        return None
-
-    def commit(self, pending, in_loop=True):
-        """Wait for rank 0's write (in the loop, the wait blocks training); the ranks then agree on its
-        outcome, so that all of them stop after a failed write (one line and exit 3: the checkpoints of
-        earlier steps stay the ones a restart loads), and none runs ahead of an unfinished save."""
-        t0, nbytes, error = time.perf_counter(), 0, None
-        if pending.future is not None:
-            try:
-                nbytes = pending.future.result()
-            except Exception as e:
-                error = e
-        if not agree(error is None, self.device):
-            fail(f"saving step {pending.step} failed ({getattr(error, 'strerror', None) or error}): the checkpoints "
-                 "of earlier steps are kept" if self.rank == 0 else None, code=3)
-        if self.rank == 0:
-            self.prune(pending.step)
-        now = time.perf_counter()
-        pending.blocking_s += now - t0 if in_loop else 0.0
-        total_s = (pending.done_at or now) - pending.t0  # its callback may run after result()
-        self.report(pending.step, nbytes, pending.blocking_s, pending.staging_s, total_s)
-
-    def finish(self, done=False):
-        super().finish(done)
-        if self.write_pool:
-            self.write_pool.shutdown()
-
-    def load(self):
-        """Restore the model, the optimizer and this rank's RNG from the newest checkpoint that loads, or
-        seed the RNG for a fresh start. Returns the step resumed from, or None. Rank 0 picks the checkpoint
-        (falling back past torn ones) and every rank loads that same file, so no rank can resume from
-        another step than the others."""
-        cfg, rank, world = self.cfg, self.rank, self.world
-        path, state, t0 = None, None, time.perf_counter()
-        if rank == 0:
-            _, path, state = load_newest(self.ckpt_dir, read_checkpoint)
-        sent = gather_json(str(path) if path else None)[0]  # rank 0's
-        path = Path(sent) if sent else None
-        if path is None:
-            if checkpoints(self.ckpt_dir):  # never train fresh over checkpoints that exist but do not load
-                fail(f"no checkpoint in {self.ckpt_dir} loads (see above); remove the damaged ones or use another "
-                     "--run-dir")
-            seed_rng(cfg.seed, rank)
-            print0("no checkpoint, starting fresh")
-            return None
-        if state is None:
-            state = read_checkpoint(path)
-        refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-        self.model.load_state_dict(state["model"])
-        keeping_settings(self.optimizer, lambda: self.optimizer.load_state_dict(state["optimizer"]))
-        step = state["step"]
-        if restore_rng(state["rng"], state["world_size"], cfg.seed, step, rank, world):
-            print0(f"world size changed from {state['world_size']} to {world}: per-rank RNG re-derived")
-        self.monitor.event("load", step=step, load_s=time.perf_counter() - t0, path=str(path), source="disk")
-        print0(f"resuming from step {step}")
-        return step
+    def pop(self):
+        seconds, self.seconds = self.seconds, None
+        return seconds
 
 
 # ----------------------------------------------------------------------------- tiers
@@ -416,6 +315,6 @@ def main(cfg):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, check, presets=PRESETS)
-    with peer_loss_in_one_line(cfg.run_dir, supervised=cfg.survivors):  # one line here, the traceback in a file
+    with peer_loss_in_one_line(cfg.run_dir):  # one line here, the traceback in a file
         main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

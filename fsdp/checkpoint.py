@@ -147,12 +147,6 @@ class Checkpointer(BaseCheckpointer):
         if self.stager:
             self.stager.close()
 
-    def settle(self, timeout_s):
-        """(tiers/survivors.py) also: the async staging buffers go; the checkpointer over the new group has its own."""
-        super().settle(timeout_s)
-        if self.stager:
-            self.stager.close()
-
     def full_weights(self):
         """--light-every: every rank's shards gathered into rank 0's CPU memory (the others get nothing)."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -238,7 +232,7 @@ class ShardedSave:
     def wait_staged(self):
         """Before an optimizer step, which must not change weights this save is still copying."""
         if self.staging:
-            self.staging_wait_s = wait(self.staging, self.step)
+            self.staging_wait_s = wait_for_save(self.staging, self.step)
             self.blocking_s += self.staging_wait_s
             self.staging = None
 
@@ -248,7 +242,7 @@ class ShardedSave:
         futures hold this record, so a stager it kept would keep its staged copy until a garbage
         collection, pinned on CUDA."""
         if self.future is not None:
-            waited = wait(self.future, self.step)
+            waited = wait_for_save(self.future, self.step)
             if in_loop:
                 self.commit_wait_s = waited
                 self.blocking_s += waited
@@ -261,7 +255,7 @@ class ShardedSave:
         return (self.staged_at or self.done_at or time.perf_counter()) - self.t0 if self.future else None
 
 
-def wait(future, step):
+def wait_for_save(future, step):
     """Wait for a future of the save of `step` and return the seconds waited; a failure is save_failed."""
     t0 = time.perf_counter()
     try:

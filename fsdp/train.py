@@ -40,9 +40,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import atomic_save, atomic_write_json, newest_resume_problem, param_digest
-from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail,
-                           flag_problems, needs, parse_config)
-from common.data import StepData, eval_batches
+from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail, flag_problems,
+                           needs, parse_config)
+from common.data import StepData, eval_batches, lr_at
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
                          setup, teardown, wait)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
@@ -139,14 +139,6 @@ def check(cfg):
     return problems
 
 
-def lr_at(cfg, step):
-    """Linear warmup, then cosine decay to min_lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 # ----------------------------------------------------------------------------- model
 def scatter_from_rank0(model, full):
     """Give every rank its shard of each parameter of `full`, the seeded model that rank 0 holds: FSDP
@@ -164,7 +156,7 @@ def scatter_from_rank0(model, full):
             padded = torch.zeros((rows * world, *param.shape[1:]), dtype=param.dtype, device=local.device)
             padded[:param.shape[0]] = params[name].detach()
             chunks = list(padded.chunk(world))
-        wait(dist.scatter(shard, chunks, src=0, async_op=True))  # interruptible (common.dist)
+        wait(dist.scatter(shard, chunks, src=0, async_op=True))  # (common.dist.wait: a `waiter` may end it)
         with torch.no_grad():
             local.copy_(shard[:local.shape[0]])
     buffers = dict(full.named_buffers()) if rank == 0 else {}
@@ -370,6 +362,6 @@ def main(cfg):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, check, presets=PRESETS)
-    with peer_loss_in_one_line(cfg.run_dir, supervised=cfg.survivors):  # one line here, the traceback in a file
+    with peer_loss_in_one_line(cfg.run_dir):  # one line here, the traceback in a file
         main(cfg)
     exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist

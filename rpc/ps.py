@@ -1,6 +1,6 @@
 """A parameter server on torch.distributed.rpc that survives failures: a checkpointed server,
-stateless trainers, and lost trainers dropped after a timeout. The server's state and its updates,
-sync and async, are in rpc/server.py: copy it with this script.
+stateless trainers, and lost trainers dropped after a timeout. The server's state, its updates (sync
+and async) and its checkpoint are in rpc/server.py: copy it with this script.
 
     bash run.sh rpc 4                                  # torchrun, 4 processes: rank 0 the server, 1-3 trainers
     FT_FAULTS=crash-at-step=25 bash run.sh rpc 4 --steps 40 --save-every 10   # see a crash recovered
@@ -35,6 +35,7 @@ is applied twice (each update lists the (trainer, trainer step) it applied; the 
 the saved counts), and no applied gradient is staler than the bound.
 """
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -54,18 +55,17 @@ end_if_stopped()  # a torchrun restart after a stop of this launch ends here, be
 import torch
 from torch.distributed import rpc as torch_rpc  # `torch_rpc`, not `rpc`: here `rpc` is this folder (rpc/server.py)
 
-from common.checkpoint import (atomic_save, atomic_write_json, checkpoints, keeping_settings, load_newest,
-                               newest_resume_problem, param_digest, prune, refuse_unfit, rng_state, seed_rng,
-                               set_rng_state, step_name)
-from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, fail, flag_problems,
-                           needs, parse_config)
+from common.checkpoint import atomic_write_json, newest_resume_problem, param_digest, seed_rng
+from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, flag_problems, needs,
+                           parse_config)
 from common.data import StepData
-from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_rendezvous, pick_device,
+from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_store, pick_device,
                          print0, refuse_unsafe_restarts, restarts)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
 from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
-from rpc.server import ParameterServer, Reply, kill_stuck_trainers, set_server
+from rpc.server import (FORMAT, SAMPLE_FIELDS, ParameterServer, Reply, kill_stuck_trainers, read_checkpoint, resume,
+                        save_checkpoint, set_server)
 
 
 # ----------------------------------------------------------------------------- config
@@ -109,9 +109,6 @@ class Config:
 RANGES = {**SHARED_RANGES, "straggler_timeout": SECONDS, "updates_per_step": NON_NEGATIVE,
           "max_staleness": NON_NEGATIVE, "slow_trainer": POSITIVE, "slow_factor": AT_LEAST_ONE}
 
-# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
-SAMPLE_FIELDS = ("seed", "batch_size", "data")
-
 
 def check(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -138,10 +135,9 @@ def check(cfg):
     if not 0 < cfg.straggler_timeout < cfg.timeout_s:
         problems.append(f"--straggler-timeout must be > 0 and below --timeout-s {cfg.timeout_s} (a trainer may "
                         f"wait that long for its reply), got {cfg.straggler_timeout}")
-    resume = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg,  # the newest readable checkpoint must fit
-                                   lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True),
-                                   FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-    problems += [resume] if resume else []
+    unfit = newest_resume_problem(Path(cfg.run_dir) / "ckpt", cfg, lambda p: read_checkpoint(p, mmap=True), FORMAT,
+                                  SHAPE_FIELDS, SAMPLE_FIELDS)  # the newest readable checkpoint must fit
+    problems += [unfit] if unfit else []
     if cfg.archive:  # the object store answers; with no checkpoint here, its newest must fit (tiers/archive.py)
         with needs("--archive"):
             from tiers.archive import tier_problems
@@ -150,40 +146,7 @@ def check(cfg):
 
 
 # ----------------------------------------------------------------------------- checkpoint (server)
-# The layout of the server's ckpt/step-NNNNNNNN.pt, written by save_checkpoint() and read by resume(): a load
-# (and check(), before the job starts) refuses any other.
-FORMAT = 2
-
-
-def state_digest(model, optimizer):
-    """A digest of the weights and the optimizer state: a resume must load exactly what the save wrote."""
-    optim = {f"optimizer.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
-    return param_digest({**model.state_dict(), **optim})
-
-
-def save_checkpoint(server, ckpt_dir, world, step, archive=None, before_commit=None):
-    """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones (with
-    --archive, `archive`: not those it holds), then hand it to `archive`. `before_commit`: a hook run once
-    the bytes are written, before the commit (the tests' faults)."""
-    t0 = time.perf_counter()
-    model, optimizer, cfg = server.model, server.optimizer, server.cfg
-    digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
-    try:
-        nbytes = atomic_save({
-            "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-            "lost": server.lost, "trainer_steps": server.trainer_steps, "digest": digest,
-        }, ckpt_dir / step_name(step, ".pt"), before_commit=before_commit)
-    except OSError as e:  # a full disk: the previous checkpoints stay as they are
-        fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept", code=3)
-    prune(ckpt_dir, cfg.keep, step, held=archive.pinned() if archive else ())
-    if archive:
-        archive.committed(step, ckpt_dir / step_name(step, ".pt"))
-    save_s = time.perf_counter() - t0
-    server.monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
-    print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
-
-
+# When the server saves; what its checkpoint holds, and the resume, are rpc/server.py's.
 def after_update(ckpt_dir, world, faults, archive, server, step):
     """The ParameterServer's after_update(server, step) (serve() binds the first four with
     functools.partial). It runs under the server's lock, between the optimizer step and the replies: no
@@ -192,44 +155,6 @@ def after_update(ckpt_dir, world, faults, archive, server, step):
         faults.after_step(step)
     if step % server.cfg.save_every == 0 or step == server.cfg.steps:
         save_checkpoint(server, ckpt_dir, world, step, archive, faults.in_save(step) if faults else None)
-
-
-@dataclass
-class Resumed:
-    """Where the server goes on from (as it is for a fresh start unless a checkpoint loaded)."""
-    step: int = 0  # completed updates
-    resumed_from: Optional[int] = None  # the step of the checkpoint loaded; None: started fresh
-    lost: dict = dataclasses.field(default_factory=dict)  # trainer rank -> the step it was dropped at
-    trainer_steps: dict = dataclasses.field(default_factory=dict)  # trainer rank -> its steps applied or dropped
-
-
-def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
-    """Restore the model, the optimizer and the RNG from the newest checkpoint that loads, after checking
-    that it fits this job; seed the RNG if there is none. Never trains fresh over checkpoints that exist
-    but do not load."""
-    _, path, state = load_newest(ckpt_dir, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-    if state is None:
-        if checkpoints(ckpt_dir):
-            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
-        seed_rng(cfg.seed, 0)  # the server is rank 0
-        print0("no checkpoint, starting fresh")
-        return Resumed()
-    t0 = time.perf_counter()
-    refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
-    # format and config: checked above; digest: reported below, beside the digest of what loaded.
-    model.load_state_dict(state["model"])
-    keeping_settings(optimizer, lambda: optimizer.load_state_dict(state["optimizer"]))
-    set_rng_state(state["rng"])
-    lost = {}
-    if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
-        lost = state["lost"]
-    else:  # other ranks: the saved ranks of lost trainers may not exist
-        print0(f"world size changed from {state['world_size']} to {world}: all {world - 1} trainers live")
-    monitor.event("load", step=state["step"], load_s=time.perf_counter() - t0, path=str(path),
-                  digest=state_digest(model, optimizer), saved_digest=state.get("digest"))
-    print0(f"resuming from step {state['step']}")
-    return Resumed(state["step"], resumed_from=state["step"], lost=lost,
-                   trainer_steps=state.get("trainer_steps", {}))  # async trainers go on after them (none: before v2)
 
 
 # ----------------------------------------------------------------------------- server (rank 0)
@@ -356,6 +281,14 @@ def train(cfg, model, data, monitor, faults, rank, world, device, options, token
 
 
 # ----------------------------------------------------------------------------- main
+def loopback_rendezvous(url, **_):
+    """A rendezvous handler ("loopback://", rank and world size in the query) for init_rpc, which takes an
+    init method, not a store, on one node: common.dist.loopback_store, its timeout then set by the caller."""
+    query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
+    rank, world = int(query["rank"]), int(query["world_size"])
+    yield loopback_store(rank, world, datetime.timedelta(seconds=300)), rank, world
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     # No process group: init_rpc is the rendezvous (MASTER_ADDR/PORT from torchrun, fresh each

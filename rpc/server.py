@@ -13,21 +13,31 @@ queued gradients, from any trainers, in arrival order; the push that completes t
 while they are complete) is answered by that update. A gradient computed more than --max-staleness
 updates before the one that would apply it is dropped, and counted. It drops no trainer.
 
-At the end, kill_stuck_trainers kills a trainer of the server's node that froze (torchrun would wait
-for it for ever).
+The server's checkpoint, ckpt/step-NNNNNNNN.pt (save_checkpoint writes it, resume reads it): the
+model, the optimizer, the step, the RNG, the config, the trainers dropped and each trainer's steps,
+committed by its atomic rename. At the end, kill_stuck_trainers kills a trainer of the server's node
+that froze (torchrun would wait for it for ever).
 """
+import dataclasses
+import functools
 import math
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 from torch.distributed.rpc.functions import async_execution
 
+from common.checkpoint import (atomic_save, checkpoints, keeping_settings, load_newest, param_digest, prune,
+                               refuse_unfit, rng_state, seed_rng, set_rng_state, step_name)
 from common.config import fail
+from common.data import lr_at
+from common.dist import print0
+from common.model import SHAPE_FIELDS
 from common.stop import leave_stop_code
 from common.monitor import state_bytes
 
@@ -39,14 +49,6 @@ def set_server(server):
     a function by module and name, so each finds SERVER here, in rpc.server, and not in the script."""
     global SERVER
     SERVER = server
-
-
-def lr_at(cfg, step):
-    """Linear warmup, then cosine decay to min_lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------- the server's state
@@ -260,6 +262,84 @@ def answer(pushes, reply):
     for p in pushes:
         if not p.reply.done():
             p.reply.set_result(reply)
+
+
+# ----------------------------------------------------------------------------- the server's checkpoint
+# The layout of the server's ckpt/step-NNNNNNNN.pt, written by save_checkpoint() and read by resume(): a load
+# (and check(), before the job starts) refuses any other.
+FORMAT = 2
+# Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
+SAMPLE_FIELDS = ("seed", "batch_size", "data")
+
+# A checkpoint file as save_checkpoint wrote it, its tensors on the CPU (load_state_dict moves them).
+read_checkpoint = functools.partial(torch.load, map_location="cpu", weights_only=True)
+
+
+def state_digest(model, optimizer):
+    """A digest of the weights and the optimizer state: a resume must load exactly what the save wrote."""
+    optim = {f"optimizer.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
+    return param_digest({**model.state_dict(), **optim})
+
+
+def save_checkpoint(server, ckpt_dir, world, step, archive=None, before_commit=None):
+    """Write the server's checkpoint of `step` (everything a resume needs) and prune the older ones (with
+    --archive, `archive`: not those it holds), then hand it to `archive`. `before_commit`: a hook run once
+    the bytes are written, before the commit (the tests' faults)."""
+    t0 = time.perf_counter()
+    model, optimizer, cfg = server.model, server.optimizer, server.cfg
+    digest = state_digest(model, optimizer)  # in the checkpoint and its save event: a resume reports it
+    try:
+        nbytes = atomic_save({
+            "format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step, "world_size": world, "rng": rng_state(), "config": dataclasses.asdict(cfg),
+            "lost": server.lost, "trainer_steps": server.trainer_steps, "digest": digest,
+        }, ckpt_dir / step_name(step, ".pt"), before_commit=before_commit)
+    except OSError as e:  # a full disk: the previous checkpoints stay as they are
+        fail(f"saving step {step} failed ({e.strerror or e}): the checkpoints of earlier steps are kept", code=3)
+    prune(ckpt_dir, cfg.keep, step, held=archive.pinned() if archive else ())
+    if archive:
+        archive.committed(step, ckpt_dir / step_name(step, ".pt"))
+    save_s = time.perf_counter() - t0
+    server.monitor.event("save", step=step, blocking_s=save_s, total_s=save_s, bytes=nbytes, digest=digest)
+    print0(f"saved step {step} ({nbytes / 2**20:.1f} MiB, {save_s * 1000:.0f} ms)")
+
+
+@dataclass
+class Resumed:
+    """Where the server goes on from (as it is for a fresh start unless a checkpoint loaded)."""
+    step: int = 0  # completed updates
+    resumed_from: Optional[int] = None  # the step of the checkpoint loaded; None: started fresh
+    lost: dict = dataclasses.field(default_factory=dict)  # trainer rank -> the step it was dropped at
+    trainer_steps: dict = dataclasses.field(default_factory=dict)  # trainer rank -> its steps applied or dropped
+
+
+def resume(ckpt_dir, model, optimizer, cfg, world, monitor):
+    """Restore the model, the optimizer and the RNG from the newest checkpoint that loads, after checking
+    that it fits this job; seed the RNG if there is none. Never trains fresh over checkpoints that exist
+    but do not load."""
+    _, path, state = load_newest(ckpt_dir, read_checkpoint)
+    if state is None:
+        if checkpoints(ckpt_dir):
+            fail(f"no checkpoint in {ckpt_dir} loads (see above); remove the damaged ones or use another --run-dir")
+        seed_rng(cfg.seed, 0)  # the server is rank 0
+        print0("no checkpoint, starting fresh")
+        return Resumed()
+    t0 = time.perf_counter()
+    refuse_unfit(state, cfg, path, FORMAT, SHAPE_FIELDS, SAMPLE_FIELDS)
+    # format and config: checked above; digest: reported below, beside the digest of what loaded.
+    model.load_state_dict(state["model"])
+    keeping_settings(optimizer, lambda: optimizer.load_state_dict(state["optimizer"]))
+    set_rng_state(state["rng"])
+    lost = {}
+    if state["world_size"] == world:  # a dropped trainer stays dropped: the batches stay those of the first run
+        lost = state["lost"]
+    else:  # other ranks: the saved ranks of lost trainers may not exist
+        print0(f"world size changed from {state['world_size']} to {world}: all {world - 1} trainers live")
+    monitor.event("load", step=state["step"], load_s=time.perf_counter() - t0, path=str(path),
+                  digest=state_digest(model, optimizer), saved_digest=state.get("digest"))
+    print0(f"resuming from step {state['step']}")
+    return Resumed(state["step"], resumed_from=state["step"], lost=lost,
+                   trainer_steps=state["trainer_steps"])  # async trainers go on after them
 
 
 # ----------------------------------------------------------------------------- teardown: trainers that froze

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from common.checkpoint import param_digest
+from common.data import lr_at
 from common.model import Transformer, model_config
 from common.monitor import Monitor
 from harness import launch
 from harness.launch import load_script, workers
 from harness.metrics import Watch, final_history
 from conftest import LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, summary, torchrun
-from rpc.server import ParameterServer, lr_at
+from rpc.server import ParameterServer
 
 ps = load_script(REPO / "rpc" / "ps.py")
 

@@ -33,29 +33,40 @@ Each generation's process group lives under its own prefix of the store, so no k
 is ever read again.
 
 A survivor whose collective fails, or is ended by its watcher (Team.lost_peer), calls Team.reform: it
-leaves its group, waits for the supervisor's next generation, forms it with the newcomer, and the
-script then restores the newest step every rank holds, as a restart would, and redoes the steps after
-it. gloo cannot abort a collective: the scripts wait for theirs through common.dist.wait, which the
-watcher ends, and keep the broken group until its timeout. A generation every rank reports lost with
-nobody dead (a pause, a slow link) is a false alarm: the same processes form the next. A frozen rank
-never dies: the supervisor kills a process stopped for STOPPED_STEPS of its steps (at least
-STOPPED_FLOOR_S), and, once a survivor has reported a loss, whichever rank has not reported one within
-twice --hang-timeout-s, or, once a rank is ready for a generation, whichever has not joined it within as
-long (a fence: a stale process can never come back), and replaces it. A rank that a claim gives to no
-process of the job (a claim another client wrote) is posted again. A node lost
-whole (its supervisor silent for --hang-timeout-s once a survivor has reported a loss) leaves its ranks
-to spares of any node: node 0's supervisor posts them; the lost node's own supervisor, if it was only
-cut off, kills its processes.
+leaves its group, waits for the supervisor's next generation, forms it with the newcomer, and the script
+then restores the newest step every rank holds, as a restart would, and redoes the steps after it. gloo
+cannot abort a collective: the scripts wait for theirs through common.dist.wait, whose waiter here
+(interruptible) the watcher ends, and keep the broken group until its timeout. A generation every rank
+reports lost with nobody dead (a pause, a slow link) is a false alarm: the same processes form the next.
+A frozen rank never dies: the supervisor kills a process stopped for STOPPED_STEPS of its steps (at
+least STOPPED_FLOOR_S), and, once a survivor has reported a loss, whichever rank has not reported one
+within twice --hang-timeout-s, or, once a rank is ready for a generation, whichever has not joined it
+within as long (a fence: a stale process can never come back), and replaces it. A rank that a claim
+gives to no process of the job (a claim another client wrote) is posted again. A node lost whole (its
+supervisor silent for --hang-timeout-s once a survivor has reported a loss) leaves its ranks to spares
+of any node: node 0's supervisor posts them; the lost node's own supervisor, if it was only cut off,
+kills its processes.
 """
 import collections
+import concurrent.futures
 import contextlib
+import ctypes
 import datetime
+import fcntl
 import os
+import socket
 import statistics
+import struct
 import threading
 import time
 
-from common.dist import interrupt, interrupted, resume_waits
+import torch
+import torch.distributed as dist
+
+import common.dist
+from common.config import fail
+from common.dist import (PEER_LOST, PEER_LOST_NOW, collective_timeout_s, exit_without_finalizing, keep_on_loopback,
+                         pick_device, print0, set_collective_timeout, wait)
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 NETNS = "FT_STORE_NETNS"  # one node, as root: the fd of the network namespace the job's store listens in
@@ -79,7 +90,6 @@ def layout_problems(cfg, params):
     spares) than a node's slots (STRIDE), or than this node has GPUs (--device cuda) or memory for (each
     holds torch itself, PROCESS_BYTES, and the model, its gradients and AdamW's moments: 16 bytes a
     parameter, on the CPU)."""
-    import torch
     if not cfg.survivors:
         return ["--spares needs --survivors"] if cfg.spares else []
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) + cfg.spares  # this node's
@@ -111,10 +121,6 @@ def in_network_namespace(make, fd=None):
     network namespace is its own: the sockets make() opens stay in that namespace, where no process
     outside it can connect, and the process's other sockets stay where they are. Both need root
     (CAP_SYS_ADMIN): OSError otherwise."""
-    import ctypes
-    import fcntl
-    import socket
-    import struct
     done = {}
 
     def run():
@@ -140,7 +146,6 @@ def in_network_namespace(make, fd=None):
 def connect(timeout_s):
     """A client of the job's store (FT_STORE), its socket made in the store's network namespace where
     the supervisor made one (FT_STORE_NETNS: an fd that only the job's processes inherit)."""
-    import torch.distributed as dist
     host, port = os.environ[STORE].rsplit(":", 1)
 
     def client():
@@ -169,11 +174,91 @@ def claim_of(value, nnodes):
         return None
 
 
+# ----------------------------------------------------------------------------- waits the watcher can end
+# gloo cannot abort a collective (its abort() is a no-op, pytorch issue 130345) and a survivor that does
+# not talk to a dead peer waits for its timeout. So in this mode the collectives the scripts wait for
+# themselves (common.dist.wait: DDP's comm hook, agree, the object gathers) are waited through
+# interruptible(), common.dist's waiter here: interrupt(), called by the watcher (Team.watch) when the
+# job's store says a peer was lost, fails every such wait at once, and every later one until
+# resume_waits(). The work left behind ends at its own timeout, in the background.
+_waits = threading.Lock()
+_pending = {}  # future -> when its wait began
+_interrupted = [None]  # the reason, while waits are interrupted
+
+
+def interruptible(work):
+    """A future that completes as the async collective `work` does, or fails at once when another thread
+    calls interrupt()."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # gloo's isend and irecv have no future, nor say when done: a thread waits
+        future = torch.futures.Future()
+
+        def wait_in_thread():
+            try:
+                work.wait()
+                future.set_result(None)
+            except Exception as e:
+                future.set_exception(e)
+        threading.Thread(target=wait_in_thread, name="wait", daemon=True).start()
+    out = torch.futures.Future()
+    with _waits:
+        reason = _interrupted[0]
+        if reason is None:
+            _pending[out] = time.monotonic()
+    if reason is not None:
+        out.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
+        return out
+
+    def complete(done):
+        with _waits:
+            if _pending.pop(out, None) is None:  # interrupted already
+                return
+        try:
+            out.set_result(done.value())
+        except Exception as e:  # the collective's own error (a peer's closed socket, its timeout)
+            out.set_exception(e)
+    future.add_done_callback(complete)
+    return out
+
+
+def interrupt(reason):
+    """Fail every interruptible wait now in progress, and every later one until resume_waits()."""
+    with _waits:
+        _interrupted[0] = reason
+        pending = list(_pending)
+        _pending.clear()
+    for future in pending:
+        future.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
+
+
+def interrupted():
+    """Whether waits are interrupted now (interrupt() was called, resume_waits() not yet)."""
+    return _interrupted[0] is not None
+
+
+def resume_waits():
+    with _waits:
+        _interrupted[0] = None
+
+
+def oldest_wait_s():
+    """How long the oldest interruptible wait in progress has waited (0: none)."""
+    with _waits:
+        return time.monotonic() - min(_pending.values()) if _pending else 0.0
+
+
+def replaced_by_supervisor(reason):
+    """common.dist's after_peer_loss here: the supervisor starts a process in this one's place (and fences
+    on its own)."""
+    return "the supervisor will start a process in its place", []
+
+
 # ----------------------------------------------------------------------------- a worker's side
 def join(cfg):
     """(team, rank, world size, device) of this process in a --survivors job, once it holds a rank: a
     spare waits here; one still waiting when the job ends leaves here."""
-    from common.dist import exit_without_finalizing
+    common.dist.waiter, common.dist.after_peer_loss = interruptible, replaced_by_supervisor
     team = Team(cfg.timeout_s, cfg.hang_timeout_s)
     joined = team.join(cfg.device)
     if joined is None:
@@ -186,7 +271,6 @@ class Team:
     forms with the others."""
 
     def __init__(self, timeout_s, hang_timeout_s):
-        from common.config import fail
         if STORE not in os.environ:
             fail("--survivors runs under run.sh (python -m harness.launch), which supervises the processes")
         self.store = connect(timeout_s)
@@ -207,7 +291,6 @@ class Team:
         """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
         form the generation, and set the environment the scripts read (RANK, WORLD_SIZE, ...). Returns
         (rank, world_size, device); None if the job ended while this process waited (a spare)."""
-        from common.dist import keep_on_loopback, pick_device
         if self.world == self.nproc:
             keep_on_loopback()
         device = pick_device(device_choice, self.local_slot, self.slots)  # a GPU per process, spares' included
@@ -231,7 +314,6 @@ class Team:
     def take_vacancy(self):
         """The rank of the oldest vacancy for this node (or any) that this slot wins, waiting for one (a
         wake-up at least every --timeout-s); None once the job has ended."""
-        import torch.distributed as dist
         while True:
             count = self.store.add("vacancies", 0)
             while self.seen < count:
@@ -266,8 +348,6 @@ class Team:
         """Form generation `gen` (None: the newest) with every rank: say this rank is ready, wait until all
         are, then init_process_group over the generation's prefix of the store. A newer generation met
         while waiting, or a group that fails to form (a member died meanwhile), moves on to the next."""
-        import torch.distributed as dist
-        from common.dist import set_collective_timeout
         deadline = time.monotonic() + self.timeout_s
         gen = self.newest() if gen is None else gen
         while True:
@@ -310,10 +390,9 @@ class Team:
         """The watcher thread: it waits for the abort of this process's generation (g<gen>/abort), written by
         a supervisor as soon as it sees a death, fences a frozen process or finds a node lost, and by the
         first rank whose collective fails; it then ends at once every wait of this process on the group
-        (common.dist.interrupt: DDP's all-reduce, agree, the object gathers; on NCCL the group's abort
+        (interrupt: DDP's all-reduce, agree, the object gathers; on NCCL the group's abort
         ends the rest), so that every survivor recovers now, not only the dead rank's neighbours. Its
         own store client: one blocked in wait() stalls every other call on its client."""
-        import torch.distributed as dist
         store = connect(self.timeout_s)
         while True:
             gen = self.gen
@@ -335,8 +414,6 @@ class Team:
         supervisors learn how long a step takes here; a wait on the group longer than its timeout (on
         NCCL nothing else ends it) aborts the generation; and the broken groups of the graveyard whose
         time has come are dropped (reform)."""
-        import torch.distributed as dist
-        from common.dist import collective_timeout_s, oldest_wait_s
         while True:
             time.sleep(BEAT_S)
             with self.buried:  # the broken groups whose collectives have all timed out go
@@ -385,14 +462,13 @@ class Team:
         every rank restores the newest step all of them hold (a tier's, the memory tier; else the disk), as
         the newcomer does at its start: the same collectives in the same order. Returns (the step
         restored, the checkpointer)."""
-        from common.dist import set_collective_timeout
         t0, lost_at = time.perf_counter(), time.time()
-        checkpointer.settle(self.timeout_s)
+        settle(checkpointer, self.timeout_s)
         for attempt in range(1, RETRIES + 1):
             try:
                 gen = self.reform(device)
                 formed_s = time.perf_counter() - t0
-                checkpointer = rebuild() if rebuild else checkpointer.regroup()
+                checkpointer = rebuild() if rebuild else regroup(checkpointer)
                 restored = checkpointer.restore()
                 restored = checkpointer.load() if restored is None else restored
                 break
@@ -414,13 +490,11 @@ class Team:
     @staticmethod
     def lost_peer(error):
         """Whether a collective's error says a peer died or hung (gloo's and NCCL's words for it)."""
-        from common.dist import PEER_LOST
         return isinstance(error, RuntimeError) and any(phrase in str(error) for phrase in PEER_LOST)
 
     def reform(self, device):
         """After a peer was lost: leave the broken group, report the loss (the supervisor fences a rank
         that reports none), wait for the supervisor's next generation and form it. Returns its number."""
-        import torch.distributed as dist
         failed = self.gen
         try:  # the others hear of it at once (watch), if no supervisor has said it yet
             self.store.compare_set(f"g{failed}/abort", "", f"rank {self.rank} saw a collective fail")
@@ -433,7 +507,6 @@ class Team:
         # goes sooner blocks in its destructor, the GIL held, until then), then dropped by the beat
         # thread: a broken gloo group can keep a thread of its own spinning (gloo_tcp_loop, a core's worth,
         # measured) for as long as it lives.
-        from common.dist import collective_timeout_s
         leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
         if dist.is_initialized():
             with self.buried:
@@ -453,10 +526,35 @@ class Team:
         return self.gen
 
 
+def settle(checkpointer, timeout_s):
+    """A peer was lost: the tiers' work in flight ends (their settle()), and so does the checkpointer's
+    save in flight, waited for up to `timeout_s`: committed whole, or left uncommitted (never loaded);
+    its collectives fail with the group, its commit is atomic. FSDP's async staging buffers go too: the
+    checkpointer rebuilt over the new group has its own."""
+    checkpointer.each("settle")
+    pending, checkpointer.pending = checkpointer.pending, None
+    future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
+    if future is not None:
+        done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+        error = future.exception() if done else TimeoutError(f"still running after {timeout_s} s")
+        if error or checkpointer.rank == 0:
+            print(f"rank {checkpointer.rank}: the save of step {pending.step} in flight when a peer was lost: "
+                  + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
+    if getattr(checkpointer, "stager", None):  # (fsdp's)
+        checkpointer.stager.close()
+
+
+def regroup(checkpointer):
+    """`checkpointer` over a re-formed process group (DDP: the model is whole on every rank): its tiers
+    opened again over it (their regroup(checkpointer); None: off). Returns it."""
+    tiers = [tier.regroup(checkpointer) if hasattr(tier, "regroup") else tier for tier in checkpointer.tiers]
+    checkpointer.tiers = [tier for tier in tiers if tier is not None]
+    return checkpointer
+
+
 def warm_up(device):
     """A spare's or a replacement's start-up before it holds a rank: its device (a CUDA context) and torch's
     optimizer machinery (the first construction imports torch._dynamo, about as long as `import torch`)."""
-    import torch
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))])
 
 
@@ -464,7 +562,6 @@ def interruptible_collectives(modules):
     """FSDP2's all-gathers and reduce-scatters of `modules`, waited through common.dist.wait, so that the
     survivors' watcher ends them at once when a peer is lost (tiers/survivors.py): the same collectives,
     each finished before FSDP goes on. (On NCCL the group's abort ends them.)"""
-    from common.dist import print0, wait
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
         assert hasattr(modules[0], "set_custom_reduce_scatter")
