@@ -61,7 +61,7 @@ class BaseCheckpointer:
             raise SystemExit(PREEMPTED)
 
     def prune(self, step):
-        """After the commit of `step`, on rank 0: keep-K, never a step a tier holds; then tell the tiers."""
+        """After the commit of `step`, on rank 0: keep-K, never a step a tier holds; then the tiers hear of it."""
         prune(self.ckpt_dir, self.cfg.keep, step, held=set().union(*self.each("pinned")))
         if any(hasattr(tier, "committed") for tier in self.tiers):
             self.each("committed", step, next(path for s, path in checkpoints(self.ckpt_dir) if s == step))
