@@ -1,6 +1,5 @@
-"""Checkpoint mechanics the scripts share: atomic write, lookup, keep-last-K, moving unreadable checkpoints
-aside, the settings check on resume, RNG capture and the parameter digest. What a checkpoint holds and how
-it is restored stay in each script; when to save is common/checkpointer.py's.
+"""Checkpoint mechanics the scripts share: atomic write, lookup, keep-last-K, moving unreadable ones aside, the
+resume's settings check, RNG capture, the parameter digest. What a checkpoint holds stays in each script.
 
 Layout: ckpt/step-NNNNNNNN.pt (a file, committed by its atomic rename) or ckpt/step-NNNNNNNN/ (a DCP folder,
 committed once its `.metadata`, which DCP writes last, exists). Nothing else in ckpt/ is ever loaded.
@@ -54,9 +53,8 @@ class _WriteErrors:
 
 
 def atomic_write(path, write, before_commit=None, mode=0o666):
-    """Write `path` through `write(f)`: a fresh temp file (never through a link), fsync, rename, fsync the
-    folder. A crash leaves the old state or the whole new file. `before_commit` runs just before the rename
-    (fault injection). Returns the bytes written."""
+    """Write `path` by `write(f)` into a fresh temp file (never through a link), fsync, rename, fsync the folder,
+    and return its size: a crash leaves the old or the whole new file. `before_commit` runs just before the rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a crashed process's, whose pid this one reuses
@@ -126,9 +124,8 @@ def remove(path):
 
 
 def prune(ckpt_dir, keep, committed_step, held=()):
-    """After the commit of `committed_step`, on one rank: keep it, the `keep - 1` before it and the steps
-    `held` (a tier's, not yet copied elsewhere); drop uncommitted folders older than it (a newer one may be
-    an async save's). Newer checkpoints are never counted or deleted here."""
+    """After the commit of `committed_step`, on one rank: keep it, the `keep - 1` before it and the steps `held`
+    (not yet copied elsewhere); drop older uncommitted folders (a newer one may be an async save's)."""
     older = [(step, path) for step, path in checkpoints(ckpt_dir) if step < committed_step]
     for step, path in older[max(keep - 1, 0):]:
         if step not in held:
@@ -161,8 +158,7 @@ def refuse_unfit(saved, cfg, path, fmt, shape_fields, sample_fields):
 
 
 def keeping_settings(optimizer, load):
-    """Run load(), which loads a state into `optimizer`, keeping this run's param group settings (weight
-    decay, betas...): a changed flag applies on a resume from disk as it does from memory."""
+    """Run load() on `optimizer`, keeping this run's param group settings: a changed flag applies on any resume."""
     settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     result = load()
     for group, mine in zip(optimizer.param_groups, settings):
@@ -181,9 +177,8 @@ def restore_rng(rngs, saved_world, seed, step, rank, world):
 
 
 def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):
-    """Check a checkpoint's record `saved` against this run: (a one-line reason to refuse, or None; the changed
-    settings, "lr 0.003 -> 0.01"). Changed `shape_fields` (the weights would not fit) are always refused,
-    changed `sample_fields` (which samples a step sees) unless `allow_changes`."""
+    """(why not to resume from the record `saved`, or None; the changed settings, "lr 0.003 -> 0.01"). Changed
+    `shape_fields` are always refused, changed `sample_fields` (which samples a step sees) unless `allow_changes`."""
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         return "not a checkpoint of these scripts (no config in it); use another --run-dir", []
     if saved.get("format") != fmt:
@@ -208,8 +203,7 @@ def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=F
 
 
 def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_fields):
-    """resume_problem with the newest checkpoint that `read_saved(path)` reads, or None. Unreadable ones are
-    skipped, as the resume falls back past them."""
+    """resume_problem with the newest checkpoint `read_saved(path)` reads (the resume skips the others), or None."""
     for _, path in checkpoints(ckpt_dir):
         locked = next((f for f in [path, *(path.rglob("*") if path.is_dir() else [])]
                        if not os.access(f, os.R_OK | (os.X_OK if f.is_dir() else 0))), None)
@@ -276,9 +270,8 @@ def param_digest(state_dict):
 
 
 def load_newest(ckpt_dir, load):
-    """(step, path, obj) of the newest checkpoint that `load(path)` reads, or Nones, on one rank. A failed
-    read is tried once more (a network filesystem may fail once). Once one loads, the newer ones that did
-    not are moved aside, never deleted; if none loads, nothing is moved."""
+    """(step, path, obj) of the newest checkpoint `load(path)` reads, trying each twice (a network filesystem may
+    fail once), or Nones; on one rank. The newer ones are then moved aside; if none loads, nothing is moved."""
     unreadable = []
     for step, path in checkpoints(ckpt_dir):
         for attempt in (1, 2):

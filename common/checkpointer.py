@@ -112,9 +112,8 @@ class BaseCheckpointer:
 
 
 def young_daly_steps(save_s, step_s, mtbf_h, device):
-    """(steps, save_s, step_s, seconds): the interval that loses the least time to saves and replays,
-    sqrt(2 x a save's cost x the mean time between failures) (Young 1974, Daly 2006). The ranks take the
-    largest measurements: a save is collective, so they must all choose the same interval."""
+    """(steps, save_s, step_s, seconds): the interval losing the least time, sqrt(2 x a save's cost x the mean
+    time between failures) (Young 1974, Daly 2006), from the ranks' largest costs: all must choose the same."""
     measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
     wait(dist.all_reduce(measured, op=dist.ReduceOp.MAX, async_op=True))
     save_s, step_s = measured.tolist()

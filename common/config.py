@@ -1,7 +1,6 @@
 """Config-to-CLI: one flat dataclass per script is the single source of flags, defaults, help and ranges.
 
-Each field's trailing `# comment` is its --help text, so a reader sees beside a default what --help prints.
-A bad flag is one line and exit 2.
+Each field's trailing `# comment` is its --help text. A bad flag is one line and exit 2.
 """
 import argparse
 import contextlib
@@ -81,9 +80,8 @@ def needs(flag, off=None):
         raise
 
 
-# The rules a flag's value must follow: (rule, test). Each script's RANGES, beside its Config, lists its
-# numeric flags; tests/test_common.py tries a value outside each range of every Config, so a new numeric
-# flag must be listed there. None is valid where it is the default; NaN fails every rule.
+# A flag's rules: (rule, test). Each script's RANGES lists its numeric flags', and tests/test_common.py tries a
+# value outside each, so a new numeric flag must be listed. None is valid as a default; NaN fails every rule.
 POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)

@@ -1,10 +1,8 @@
-"""Step-indexed data and learning rate: step s's global batch is a function of (seed, s), its learning rate
-of s. Rank r of W takes rows [r*B/W, (r+1)*B/W), so the data position is the step: a resume loses nothing,
-and every world size sees the same samples.
+"""Step-indexed data: step s's global batch is a function of (seed, s), and rank r of W takes its rows
+[r*B/W, (r+1)*B/W), so a resume loses no data position and every world size sees the same samples.
 
-The synthetic task (default): rows x[t] = (x0 + k*t) mod vocab, random x0 and stride k. A token needs the
-two before it, so a tiny model's loss falls near zero in a few hundred steps. A `source` (a token file:
-`tokens()`, an array of ids, and `format`, its description) gives windows at random offsets instead.
+The synthetic task: rows x[t] = (x0 + k*t) mod vocab (random x0, stride k); a token needs the two before it,
+and a tiny model learns it in a few hundred steps. A `source` (a token file) gives windows at random offsets.
 """
 import math
 

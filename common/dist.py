@@ -1,5 +1,4 @@
-"""Distributed setup in a few visible lines: device, backend and process group; ranks that agree (a
-flag, the loss and a stop); collective timeouts; a lost peer in one line; teardown and print0."""
+"""Distributed setup in a few visible lines, ranks that agree, collective timeouts, a lost peer in one line."""
 import contextlib
 import datetime
 import json
@@ -40,8 +39,7 @@ def pick_device(choice, local_rank, local_world_size):
 
 
 def setup(device_choice="auto", timeout_s=300):
-    """(rank, world_size, device) of a process group under torchrun, or of one for `python script.py`.
-    gloo on CPU, NCCL on CUDA, same code."""
+    """(rank, world_size, device) under torchrun, or alone for `python script.py`; gloo on CPU, NCCL on CUDA."""
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -91,9 +89,8 @@ def _free_port():
 
 
 def refuse_unsafe_restarts():
-    """Refuse in one line to be restarted by torchrun over its shared rendezvous store: the new group can read
-    the failed attempt's addresses and hang (pytorch issues 135712, 167288). torchrun itself reads the
-    variable that prevents it, so a worker can only refuse to start without it."""
+    """Refuse torchrun restarts over its shared rendezvous store, where a new group can read the last attempt's
+    addresses and hang (pytorch issues 135712, 167288); the variable against it is read by torchrun, not a worker."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
@@ -142,11 +139,9 @@ PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it save
 
 
 class StepGuard:
-    """What the ranks settle at the end of each step, and their collectives' timeout.
-
-    One all-reduce carries the loss and whether any rank got SIGTERM or SIGUSR1 (a preemption), so every
-    rank stops after the same step. Collectives wait `timeout_s` while starting, loading and saving; after
-    5 steps, `hang_timeout_s` or 20 steps' time, so that a frozen rank fails the job in seconds."""
+    """One all-reduce at each step's end carries the loss and whether any rank got SIGTERM or SIGUSR1, so all
+    stop after the same step. Collectives wait `timeout_s` while starting, loading and saving; after 5 steps,
+    `hang_timeout_s` or 20 steps' time, so that a frozen rank fails the job in seconds."""
 
     def __init__(self, device, timeout_s, hang_timeout_s):
         self.device, self.timeout_s, self.hang_timeout_s = device, timeout_s, hang_timeout_s
@@ -197,8 +192,7 @@ def collective_timeout_s():
 
 
 def exit_without_finalizing():
-    """End a finished script without the interpreter's finalization, where gloo's threads can abort the
-    process (SIGABRT, pytorch PR 179291), which torchrun takes for a crash. Skipping it also saves 1.2 s of CPU."""
+    """End without finalization, where gloo's threads may SIGABRT (pytorch PR 179291): torchrun would see a crash."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -240,9 +234,8 @@ def peer_loss_in_one_line(run_dir):
 
 
 def fence_local_workers():
-    """After a collective timed out (a peer hangs), SIGKILL this node's other workers of the same torchrun
-    run, and return their pids. torchrun would send SIGTERM, then SIGKILL 30 s later: the only signal a
-    stopped or deadlocked process obeys. The checkpoints are made to survive a SIGKILL at any moment."""
+    """After a timeout (a peer hangs), SIGKILL this node's other workers of the torchrun run; return their pids.
+    torchrun would SIGKILL them 30 s after its SIGTERM, which a stopped process ignores; checkpoints survive it."""
     me, agent, run_id = os.getpid(), os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID")
     killed = []
     if run_id is None:  # not under torchrun: no agent, no siblings

@@ -1,5 +1,4 @@
-"""Per-rank metrics as JSON lines in <run-dir>/metrics-rank<r>.jsonl: steps (loss, lr, time, tokens/s, MFU,
-memory, communication) and events (save, load, resume, restart, fallback, reshard, eval)."""
+"""Per-rank metrics as JSON lines in <run-dir>/metrics-rank<r>.jsonl: each step's, and events (save, load, eval...)."""
 import json
 import math
 import os
@@ -39,8 +38,7 @@ def memory(device):
 
 
 def reset_peak(device):
-    """Start a peak-memory window and return the bytes in use now. On CPU, writing "5" to clear_refs resets
-    Linux's peak RSS (VmHWM)."""
+    """Start a peak-memory window; return the bytes in use now. (CPU: writing "5" to clear_refs resets VmHWM.)"""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
@@ -60,8 +58,7 @@ def _proc_status_bytes(field):
     return int(line.split()[1]) * 1024  # kB
 
 
-# Dense bf16 peak FLOP/s of one GPU (datasheets), by a part of its name; the first match wins. PEAK_TFLOPS
-# in the environment overrides it.
+# Dense bf16 peak FLOP/s of a GPU (datasheets) by part of its name, first match wins; PEAK_TFLOPS overrides it.
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
@@ -107,8 +104,7 @@ def mfu(flops, seconds, device):
 
 
 def eval_loss(model, batches, device, bf16=False):
-    """(the mean loss of `batches` over all ranks, seconds). No dropout and no gradient: no random number is
-    drawn, so training goes on exactly as without it."""
+    """(the mean loss of `batches` over all ranks, seconds); in eval mode no dropout draws a random number."""
     t0 = time.perf_counter()
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):

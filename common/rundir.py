@@ -27,8 +27,7 @@ def hold_run_dir(run_dir, rank):
 
 
 def lock_run_dir(run_dir):
-    """The run folder's lock, held for the life of this process, or None if another job holds it. The OS drops
-    a dead process's lock, so a crash never leaves it stale."""
+    """The run folder's lock for this process's life, or None if held; the OS drops a dead process's lock."""
     # Never through a link: opened so, a .lock linked to another file would be truncated below.
     f = os.fdopen(os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
     try:
@@ -70,8 +69,7 @@ def run_dir_problems(run_dir, export=""):
         why = writable(folder, create)
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]
-    # Others must not replace the exported weights: the folder is this user's or root's and writable by no one
-    # else (as ckpt/ must be), or sticky and theirs (/tmp: nobody there replaces another's file).
+    # Others must not replace the export: its folder is writable by no one else (as ckpt/), or sticky (/tmp).
     if export and (why := _written_by_others(folders[-1][1], True)):
         st = os.stat(folders[-1][1])
         if not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
@@ -80,10 +78,9 @@ def run_dir_problems(run_dir, export=""):
 
 
 def ownership_problems(run_dir, folders=()):
-    """[one line] if another user could have written what a resume loads, else []. Loading unpickles, so, as
-    ssh treats a key file, the run folder, ckpt/, each checkpoint and its files, and `folders` (others the job
-    writes into) must be this user's or root's, writable by no group but a private one and no others, and no
-    checkpoint may be a link. What does not exist yet is fine."""
+    """[one line] if another user could have written what a resume loads (it unpickles), else []. As ssh treats a
+    key file, the run folder, ckpt/, each checkpoint and its files, and `folders`, must be this user's or root's,
+    writable by no group but a private one and no others, and no checkpoint a link."""
     run_dir, ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
     entries = [p for p in _listing(ckpt_dir) if _NAME.match(p.name)]
     inside = [f for p in entries if not p.is_symlink() for f in _listing(p)]

@@ -1,7 +1,6 @@
-"""The stop that no restart repeats. torchrun retries every exit but 0, each time from the last commit, so a
-worker that stops on purpose (a refused setting, a full disk, a diverged loss) leaves its exit code in the
-launch's stop file, where every restart finds it and ends at once (end_if_stopped, before torch is imported:
-this module imports no torch)."""
+"""The stop that no restart repeats. torchrun retries every exit but 0, so a worker that stops on purpose (a bad
+setting, a full disk, a diverged loss) leaves its exit code in the launch's stop file, where every restart
+finds it and ends at once (end_if_stopped, before torch is imported: this module imports no torch)."""
 import os
 import sys
 import tempfile
@@ -12,9 +11,8 @@ STOP_FILE = "FT_STOP_FILE"
 
 
 def stop(code):
-    """End with `code`; under torchrun, leave it in the stop file, then exit 0 under the launcher (which exits
-    with the code) or with the code under plain torchrun, so that a scheduler never records a stop as a success.
-    Without the interpreter's finalization, which could turn the status into a crash's."""
+    """End with `code`, left in the stop file under torchrun: exit 0 under the launcher, which exits with the code,
+    else `code`, not a success to a scheduler. No finalization, which could turn the status into a crash's."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:  # not under torchrun: the code is the exit status
         raise SystemExit(code)
     leave_stop_code(code)
@@ -37,9 +35,8 @@ def stop_file():
 
 
 def leave_stop_code(code):
-    """Write the exit code to the stop file: a stop's, or 0 for a job done though a worker must be killed (rpc:
-    a frozen trainer). Each rank renames a fresh file of its own into place (the temp folder is everyone's:
-    never through a link another user planted)."""
+    """Write the exit code to the stop file (0: a job done though a worker must be killed). Each rank renames a
+    fresh file of its own into place, never through a link another user planted in the shared temp folder."""
     path = stop_file()
     try:
         os.unlink(f"{path}.{os.getpid()}")  # a crashed process's, whose pid this one reuses

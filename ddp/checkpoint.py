@@ -1,7 +1,6 @@
 """ddp/train.py's checkpoint: one file ckpt/step-NNNNNNNN.pt that rank 0 writes (the unwrapped model, the
 optimizer, step, world size, config and every rank's RNG), committed by its atomic rename. When to save is
-common/checkpointer.py's; an async save writes a CPU copy of the state while training goes on.
-"""
+common/checkpointer.py's; an async save writes a CPU copy of the state while training goes on."""
 import dataclasses
 import functools
 import time
@@ -41,9 +40,8 @@ class Checkpointer(BaseCheckpointer):
             print0(f"async save: copied on the main thread into {memory} CPU memory, written in a background thread")
 
     def write(self, step, asynchronous):
-        """Rank 0 writes what a bitwise resume needs, every rank's RNG included; returns the PendingSave if
-        `asynchronous`, else None (committed). An async save copies the state into CPU memory (pinned on CUDA)
-        on the main thread, after which training may change the weights, and the write pool writes it."""
+        """Rank 0 writes what a bitwise resume needs; returns the PendingSave if `asynchronous`, else None. An async
+        save copies the state to CPU memory first, after which training may change the weights."""
         t0 = time.perf_counter()
         rngs = [rng_from_json(r) for r in gather_json(rng_to_json(rng_state()))]  # every rank's, saved by rank 0
         pending = PendingSave(step, t0)
@@ -129,9 +127,8 @@ class Checkpointer(BaseCheckpointer):
 
 @dataclass
 class PendingSave:
-    """A checkpoint being saved. blocking_s is what the loop waited for it: all of a synchronous save; of an
-    async one, the CPU copy (staging_s) and the wait before the next save, not at the end (no step is left to
-    stall). `future` gives the bytes written."""
+    """A save in flight. blocking_s is what the loop waited for it: all of a synchronous save; of an async one, the
+    CPU copy (staging_s) and the wait before the next save (not the one at the end: no step is left to stall)."""
     step: int
     t0: float
     blocking_s: float = 0.0

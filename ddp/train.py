@@ -151,9 +151,8 @@ def wrap(model, device):
 
 
 class CommTimer:
-    """A DDP comm hook that all-reduces like the default one and, on gloo, times each bucket; `pop()` returns
-    the seconds since the last call. None on NCCL, whose futures complete once the all-reduce is queued on its
-    stream (pytorch PR 48503): the timer would measure only the launch."""
+    """A DDP comm hook that all-reduces like the default one and times it; pop() gives the seconds since the last
+    call, on gloo only: NCCL's futures complete once it is queued (pytorch PR 48503), so it would time the launch."""
 
     def __init__(self):
         self.seconds = None
