@@ -1,13 +1,8 @@
-"""Checkpoint mechanics shared by the scripts: atomic write, committed-checkpoint lookup, keep-last-K,
-moving unreadable checkpoints aside, the settings check on resume, RNG capture and the parameter
-digest. What a checkpoint contains, its format version, and how it is restored stay in each script;
-the run folder's checks are common/rundir.py's; when to save, and the resume's ladder,
-common/checkpointer.py's.
+"""Checkpoint mechanics the scripts share: atomic write, lookup, keep-last-K, moving unreadable ones aside, the
+resume's settings check, RNG capture, the parameter digest. What a checkpoint holds stays in each script.
 
-Layout: <run-dir>/ckpt/step-NNNNNNNN.pt (one file, committed by its atomic rename) or
-<run-dir>/ckpt/step-NNNNNNNN/ (a DCP folder, committed once its `.metadata` exists, which DCP
-writes last). Anything else in ckpt/ (temp files, uncommitted folders, checkpoints moved aside
-as `step-NNNNNNNN*.unreadable-<time>`) is never loaded.
+Layout: ckpt/step-NNNNNNNN.pt (a file, committed by its atomic rename) or ckpt/step-NNNNNNNN/ (a DCP folder,
+committed once its `.metadata`, which DCP writes last, exists). Nothing else in ckpt/ is ever loaded.
 """
 import dataclasses
 import hashlib
@@ -41,8 +36,7 @@ def fsync_dir(path):
 
 
 class _WriteErrors:
-    """A file for `write` that remembers the OSError of a failed write, which torch.save reports only
-    as a RuntimeError about a position."""
+    """Keeps a failed write's OSError, which torch.save reports only as a RuntimeError about a position."""
 
     def __init__(self, f):
         self.f, self.error = f, None
@@ -59,11 +53,8 @@ class _WriteErrors:
 
 
 def atomic_write(path, write, before_commit=None, mode=0o666):
-    """Write a file through `write(f)` to a temp file in the same folder, fsync, rename, fsync the folder:
-    a crash at any point leaves either the old state or the complete new file, never a partial `path`.
-    `before_commit` runs when the bytes are on disk but not yet committed (fault injection). The temp
-    file is made afresh (a link in its place is removed, not followed), with `mode` (less the umask).
-    Returns the number of bytes written."""
+    """Write `path` by `write(f)` into a fresh temp file (never through a link), fsync, rename, fsync the folder,
+    and return its size: a crash leaves the old or the whole new file. `before_commit` runs just before the rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a crashed process's, whose pid this one reuses
@@ -115,9 +106,8 @@ UNDELETABLE = set()  # the checkpoints remove() could not delete, said once each
 
 
 def remove(path):
-    """Delete a checkpoint file or folder, first renamed to a name the lookup ignores, so that no part
-    of it is ever found as a checkpoint. One that cannot be renamed (permissions) is kept, with one line:
-    cleaning up is no reason to stop training. Returns whether it is gone."""
+    """Delete a checkpoint, first renamed so that no part of it is ever found; return whether it is gone.
+    One that cannot be renamed is kept with one line: cleaning up is no reason to stop training."""
     path = Path(path)
     doomed = path.with_name(f".{path.name}.removing-{os.getpid()}")
     try:
@@ -134,11 +124,8 @@ def remove(path):
 
 
 def prune(ckpt_dir, keep, committed_step, held=()):
-    """After the commit of `committed_step`: keep it and the `keep - 1` committed checkpoints before
-    it, delete older ones but the steps `held` (a tier's: not yet copied elsewhere), and drop
-    uncommitted folders older than it (left by a crash; a newer one may still be being written by an
-    async save). Checkpoints newer than the one just committed are never counted or deleted here. Call
-    on one rank only."""
+    """After the commit of `committed_step`, on one rank: keep it, the `keep - 1` before it and the steps `held`
+    (not yet copied elsewhere); drop older uncommitted folders (a newer one may be an async save's)."""
     older = [(step, path) for step, path in checkpoints(ckpt_dir) if step < committed_step]
     for step, path in older[max(keep - 1, 0):]:
         if step not in held:
@@ -151,9 +138,8 @@ def prune(ckpt_dir, keep, committed_step, held=()):
 
 
 def move_aside(path, why):
-    """Rename a committed checkpoint that did not load to a name the lookup ignores, so that a later
-    save never lands in a folder that looks committed and a person can still recover its bytes.
-    Call on one rank only. Returns the new path."""
+    """Rename a checkpoint that did not load out of the lookup's sight, on one rank, and return the new path:
+    a later save never lands in a folder that looks committed, and a person can still recover its bytes."""
     path = Path(path)
     aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
     os.replace(path, aside)
@@ -163,8 +149,7 @@ def move_aside(path, why):
 
 
 def refuse_unfit(saved, cfg, path, fmt, shape_fields, sample_fields):
-    """resume_problem of the checkpoint `path` (its record `saved`): a problem stops the job in one line
-    (exit 2); the settings that changed, where --allow-changes lets them, are printed."""
+    """resume_problem with `saved` (of `path`): a problem stops the job in one line (exit 2), changes are printed."""
     problem, changes = resume_problem(saved, cfg, fmt, shape_fields, sample_fields, cfg.allow_changes)
     if problem:
         fail(f"{path}: {problem}")
@@ -173,9 +158,7 @@ def refuse_unfit(saved, cfg, path, fmt, shape_fields, sample_fields):
 
 
 def keeping_settings(optimizer, load):
-    """load(), which loads a saved state into `optimizer`, and its result; the param groups keep this
-    run's settings (weight decay, betas, eps, fused; the lr is set at each step), not the saving run's
-    that the state brings: a changed flag applies on a resume from disk as it does from memory."""
+    """Run load() on `optimizer`, keeping this run's param group settings: a changed flag applies on any resume."""
     settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     result = load()
     for group, mine in zip(optimizer.param_groups, settings):
@@ -184,9 +167,8 @@ def keeping_settings(optimizer, load):
 
 
 def restore_rng(rngs, saved_world, seed, step, rank, world):
-    """This rank's RNG as saved (`rngs`: every rank's, of a job of `saved_world` ranks), or, at another
-    world size, where each rank's stream cannot carry over, derived anew from the seed and the step.
-    Returns whether the world size changed."""
+    """Set this rank's RNG from `rngs` (every rank's), or at another world size, where a rank's stream cannot
+    carry over, derive it from the seed and the step. Returns whether the world size changed."""
     if saved_world == world:
         set_rng_state(rngs[rank])
         return False
@@ -195,11 +177,8 @@ def restore_rng(rngs, saved_world, seed, step, rank, world):
 
 
 def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=False):
-    """Check a checkpoint's saved record (its `format` and `config`) against this run's config and
-    the format `fmt` that this script writes and reads. Returns (problem, changes): `problem` is a
-    one-line reason to refuse the resume, or None; `changes` lists the settings that differ ("lr 0.003
-    -> 0.01"). A change of `shape_fields` (the model's weights would not fit) is always refused; a
-    change of `sample_fields` (which samples a step sees: seed, batch, data) unless `allow_changes`."""
+    """(why not to resume from the record `saved`, or None; the changed settings, "lr 0.003 -> 0.01"). Changed
+    `shape_fields` are always refused, changed `sample_fields` (which samples a step sees) unless `allow_changes`."""
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         return "not a checkpoint of these scripts (no config in it); use another --run-dir", []
     if saved.get("format") != fmt:
@@ -224,9 +203,7 @@ def resume_problem(saved, cfg, fmt, shape_fields, sample_fields, allow_changes=F
 
 
 def newest_resume_problem(ckpt_dir, cfg, read_saved, fmt, shape_fields, sample_fields):
-    """The resume problem (see resume_problem) with the newest readable checkpoint, or None.
-    `read_saved(path)` returns a checkpoint's saved record; unreadable ones are skipped (the resume
-    falls back past them)."""
+    """resume_problem with the newest checkpoint `read_saved(path)` reads (the resume skips the others), or None."""
     for _, path in checkpoints(ckpt_dir):
         locked = next((f for f in [path, *(path.rglob("*") if path.is_dir() else [])]
                        if not os.access(f, os.R_OK | (os.X_OK if f.is_dir() else 0))), None)
@@ -252,8 +229,7 @@ def rng_state():
 
 
 def rng_to_json(state):
-    """rng_state() as JSON values: a memory snapshot's record is read back, and a peer's RNG is sent
-    (common.dist.gather_json), without unpickling anything."""
+    """rng_state() as JSON values, so that a saved record or a peer's RNG is read without unpickling."""
     version, words, gauss = state["python"]
     out = {"python": [version, list(words), gauss], "torch": state["torch"].numpy().tobytes().hex()}
     if "cuda" in state:
@@ -284,8 +260,7 @@ def seed_rng(seed, rank):
 
 
 def param_digest(state_dict):
-    """sha256 over a full, unwrapped state dict: keys sorted; for each key, dtype, shape and raw bytes.
-    The same weights give the same digest whatever the strategy or world size."""
+    """sha256 of a full state dict's sorted keys, dtypes, shapes and bytes: the same whatever the strategy."""
     h = hashlib.sha256()
     for key in sorted(state_dict):
         t = state_dict[key].detach().cpu().contiguous()
@@ -295,11 +270,8 @@ def param_digest(state_dict):
 
 
 def load_newest(ckpt_dir, load):
-    """(step, path, obj) of the newest committed checkpoint that `load(path)` reads without error,
-    or (None, None, None). A read that fails is tried once more (the failure may be transient: a
-    network filesystem, memory); one that fails twice is skipped, and nothing of it is applied,
-    since `load` only reads. Once a checkpoint has loaded, the newer ones that did not are moved
-    aside, never deleted; if none loads, nothing is moved. Call on one rank only."""
+    """(step, path, obj) of the newest checkpoint `load(path)` reads, trying each twice (a network filesystem may
+    fail once), or Nones; on one rank. The newer ones are then moved aside; if none loads, nothing is moved."""
     unreadable = []
     for step, path in checkpoints(ckpt_dir):
         for attempt in (1, 2):

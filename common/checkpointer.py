@@ -1,9 +1,7 @@
-"""When a script saves, and the rungs of its resume that every script shares (BaseCheckpointer), and the
-disk interval by Young and Daly's rule.
+"""When a script saves, the resume's shared rungs (BaseCheckpointer), and the interval by Young and Daly's rule.
 
-A tier (the memory tier, the light checkpoints, the archive) is an object the script opens in its
-flag's block and hands over in `tiers`; the checkpointer calls each tier at these moments, where the
-tier has the method, in the order of the list, and knows nothing else of it:
+A tier (the memory tier, the light checkpoints, the archive) is an object the script opens in its flag's
+block and hands over in `tiers`. The checkpointer calls the tiers that have these methods, in list order:
     after_step(step, checkpointer)  every step, before a disk save is due: a memory snapshot, a light checkpoint
     pinned()                        rank 0, keep-K: the steps not to delete yet (not yet copied elsewhere)
     committed(step, path)           rank 0: the checkpoint of `step` has committed at `path`
@@ -28,9 +26,8 @@ from common.dist import PREEMPTED, print0, restarts, set_collective_timeout, wai
 
 
 class BaseCheckpointer:
-    """A script's Checkpointer subclasses it with what its checkpoint holds: write(step, asynchronous) ->
-    the save still in flight or None, commit(pending, in_loop), and load(), the resume from disk. `guard`
-    is the StepGuard (common/dist.py), `step_times` the loop's list."""
+    """A script's Checkpointer adds what its checkpoint holds: write(step, asynchronous) -> the save in flight
+    or None, commit(pending, in_loop), and load(), the resume from disk."""
 
     def __init__(self, cfg, rank, world, device, model, optimizer, monitor, guard, step_times, tiers=()):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -45,10 +42,8 @@ class BaseCheckpointer:
         return [getattr(tier, hook)(*args) for tier in self.tiers if hasattr(tier, hook)]
 
     def save(self, step, stop=False):
-        """The loop's call after step `step`: the tiers' after_step (a memory snapshot is copied in a thread
-        while the next step computes), then a disk checkpoint every --save-every steps (0: an interval by
-        Young and Daly's rule), at the last step, and when the job is stopped (`stop`: a preemption, which
-        then exits 143 for a restart), one save in flight at a time."""
+        """After each step: the tiers' after_step, then a disk save every --save-every steps, at the last step
+        and on `stop` (a preemption, which then exits 143 for a restart), one save in flight at a time."""
         self.each("after_step", step, self)
         if step % self.save_every == 0 or step == self.cfg.steps or stop:
             t0 = time.perf_counter()
@@ -59,15 +54,14 @@ class BaseCheckpointer:
             if not self.cfg.save_every:  # the interval from what this save cost the loop
                 self.save_every = auto_save_every(time.perf_counter() - t0, self.step_times, self.cfg.mtbf_h,
                                                   self.device)
-        if stop and step < self.cfg.steps:  # saved: exit non-zero, so that torchrun (or the scheduler) restarts the job
-            self.each("preempted", step)  # (committed: a stop's save is synchronous)
+        if stop and step < self.cfg.steps:  # committed (a stop's save is synchronous): exit non-zero for a restart
+            self.each("preempted", step)
             self.monitor.event("preempted", step=step, signalled_at=self.guard.signalled_at)
             print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
             raise SystemExit(PREEMPTED)
 
     def prune(self, step):
-        """After the commit of `step`, on rank 0: keep-K, but never a step a tier holds; then the tiers hear
-        of the commit."""
+        """After the commit of `step`, on rank 0: keep-K, never a step a tier holds; then the tiers hear of it."""
         prune(self.ckpt_dir, self.cfg.keep, step, held=set().union(*self.each("pinned")))
         if any(hasattr(tier, "committed") for tier in self.tiers):
             self.each("committed", step, next(path for s, path in checkpoints(self.ckpt_dir) if s == step))
@@ -86,14 +80,12 @@ class BaseCheckpointer:
         self.pending = None
 
     def in_flight(self, t0):
-        """What the step that started at `t0` overlapped, for its metrics: an async save's write, and the
-        tiers' (the memory tier's wait)."""
+        """What the step that started at `t0` overlapped, for its metrics: an async save, and the tiers'."""
         saving = self.pending is not None and (self.pending.done_at or math.inf) > t0
         return {"saving": saving, **{k: v for fields in self.each("in_flight") for k, v in fields.items()}}
 
     def finish(self, done=False):
-        """The end of the job (`done`: the last step is saved), or a diverged loss: the save in flight, of an
-        earlier step, commits; then the tiers close."""
+        """At the end (`done`) or a diverged loss: the save in flight, of an earlier step, commits; the tiers close."""
         set_collective_timeout(self.cfg.timeout_s)  # the long timeout, as in a save
         if self.pending:
             self.commit(self.pending, in_loop=False)
@@ -104,9 +96,8 @@ class BaseCheckpointer:
         return {k: v for fields in self.each("summary") for k, v in fields.items()}
 
     def resume(self, launched_at):
-        """Restore the state from the newest source that loses the least: a tier's (the memory tier: a
-        snapshot newer than the disk's newest checkpoint), else the disk's (load()), else a fresh start;
-        log the attempt's start (`launched_at`: the process's). Returns the step resumed from, or None."""
+        """Restore from a tier (a memory snapshot, newer than the disk's), else the disk (load()), else start
+        fresh; log the attempt's start. Returns the step resumed from, or None."""
         step = self.restore()
         self.each("before_load", step)  # (the archive: a run folder without checkpoints gets its newest)
         if step is None:
@@ -121,10 +112,8 @@ class BaseCheckpointer:
 
 
 def young_daly_steps(save_s, step_s, mtbf_h, device):
-    """(steps, save_s, step_s, seconds): the disk interval that loses the least expected time to saving
-    and to replaying after a failure, sqrt(2 x a save's cost x the mean time between failures) (Young
-    1974, Daly 2006), in whole steps. The ranks take the largest of their measurements: a save is
-    collective, so they must all choose the same interval."""
+    """(steps, save_s, step_s, seconds): the interval losing the least time, sqrt(2 x a save's cost x the mean
+    time between failures) (Young 1974, Daly 2006), from the ranks' largest costs: all must choose the same."""
     measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
     wait(dist.all_reduce(measured, op=dist.ReduceOp.MAX, async_op=True))
     save_s, step_s = measured.tolist()
@@ -136,8 +125,7 @@ FIRST_AUTO_SAVE = 10  # --save-every 0: the step of the first save, whose cost s
 
 
 def auto_save_every(save_s, step_times, mtbf_h, device):
-    """--save-every 0: the disk interval (young_daly_steps) after a save that blocked the loop `save_s`,
-    with this attempt's median step time and --mtbf-h; printed after each save, with its numbers."""
+    """--save-every 0: young_daly_steps after a save that blocked the loop `save_s`, printed with its numbers."""
     steps, save_s, step_s, seconds = young_daly_steps(save_s, statistics.median(step_times[-50:]), mtbf_h, device)
     if dist.get_rank() == 0:
         print(f"save every {steps} steps: sqrt(2 x {save_s * 1000:.1f} ms a save x {mtbf_h} h between "

@@ -1,8 +1,6 @@
-"""Config-to-CLI: one flat dataclass per script is the single source of flags, defaults and help,
-and the valid range of every flag.
+"""Config-to-CLI: one flat dataclass per script is the single source of flags, defaults, help and ranges.
 
-Each field's trailing `# comment` in the dataclass source is its help text, so the comment a reader
-sees next to a default is exactly what `--help` prints. A bad flag is one line and exit 2.
+Each field's trailing `# comment` is its --help text. A bad flag is one line and exit 2.
 """
 import argparse
 import contextlib
@@ -51,10 +49,8 @@ def make_parser(cls, prog=None):
 
 
 def parse_config(cls, check=None, argv=None, prog=None, presets=None):
-    """Parse argv into cls; `check(cfg)` returns a list of problems, the first is reported as the error
-    (a module it imports that is not there is one too).
-
-    `presets` maps a name to field values: `--preset NAME` replaces those fields, whatever flags say."""
+    """Parse argv into cls; `--preset NAME` sets the fields `presets[NAME]` holds, whatever the flags say.
+    The first problem `check(cfg)` returns (a missing module it imports is one) is the error."""
     parser = make_parser(cls, prog=prog)
     cfg = cls(**vars(parser.parse_args(argv)))
     if getattr(cfg, "preset", ""):
@@ -73,9 +69,8 @@ def parse_config(cls, check=None, argv=None, prog=None, presets=None):
 
 @contextlib.contextmanager
 def needs(flag, off=None):
-    """Around the import of an optional module in a script's check(): a module not copied with the script
-    stops it in one line (parse_config's) that names `flag`, the flag that asks for it, and how to run
-    without it (`off`: the value that turns it off; none: leave the flag out)."""
+    """Around an optional module's import in check(): if it is missing, parse_config's one line names `flag`,
+    which asks for it, and how to run without it (`off`: the value that turns it off; None: leave it out)."""
     try:
         yield
     except ModuleNotFoundError as e:
@@ -85,11 +80,8 @@ def needs(flag, off=None):
         raise
 
 
-# The rules a flag's value must follow: (rule, test). Each script lists its numeric flags' rules in a
-# RANGES dict beside its Config, the model's are in common/model.py; checked before any worker starts;
-# tests/test_common.py tries a value outside each range, for every field of every script's Config, so
-# a new numeric flag must be listed there. None is valid where it is the default (an optional flag).
-# NaN fails every rule.
+# A flag's rules: (rule, test). Each script's RANGES lists its numeric flags', and tests/test_common.py tries a
+# value outside each, so a new numeric flag must be listed. None is valid as a default; NaN fails every rule.
 POSITIVE = ("must be > 0", lambda v: v > 0)
 NON_NEGATIVE = ("must be >= 0", lambda v: v >= 0)
 FRACTION = ("must be in [0, 1)", lambda v: 0 <= v < 1)
@@ -119,8 +111,7 @@ def range_problems(cfg, ranges):
 
 
 def flag_problems(cfg, data_ranks, ranges):
-    """Problems with the flags every script shares, and with the values of the numeric flags that the
-    script's `ranges` lists; `data_ranks` is how many ranks split the batch."""
+    """Problems with the flags every script shares and those `ranges` lists; `data_ranks` ranks split the batch."""
     problems = range_problems(cfg, ranges)
     problems += [f"--{name} {getattr(cfg, name)}: choose from {', '.join(allowed)}"
                  for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed]
@@ -138,9 +129,8 @@ def flag_problems(cfg, data_ranks, ranges):
 
 
 def fail(message, prog=None, code=2):
-    """The same one-line error for problems found after parsing, then stop(code): 2 for bad input or
-    unusable checkpoints; 3 when a running job stops itself (a diverged loss, a save that failed).
-    Every rank may meet the same problem: the line is printed by each node's first rank (None: none)."""
+    """One error line, then stop(code): 2 for bad input or unusable checkpoints, 3 when a running job stops
+    itself. Every rank may meet the problem, so each node's first rank alone prints it (None: none)."""
     if message is not None and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
     stop(code)

@@ -1,14 +1,8 @@
-"""Step-indexed data and learning rate: the global batch of step s is a pure function of (seed, s), and
-its learning rate of s (lr_at). Rank r of W takes rows [r*B/W, (r+1)*B/W) of it, so the data position
-is exactly the step: nothing about the data is lost on resume, and every world size sees the same
-samples.
+"""Step-indexed data: step s's global batch is a function of (seed, s), and rank r of W takes its rows
+[r*B/W, (r+1)*B/W), so a resume loses no data position and every world size sees the same samples.
 
-Synthetic task (default): arithmetic sequences x[t] = (x0 + k*t) mod vocab with a random start x0 and
-stride k per row. Predicting a token needs the two before it, so the loss falls from log(vocab) to
-near zero within a few hundred steps of a tiny model. With a `source` (anything with `tokens()`, an
-array of token ids, and `format`, its description: a token file, opened by the script when --data
-asks for one): windows of seq_len + 1 tokens at random offsets of it, so a step reads only the rows
-it draws.
+The synthetic task: rows x[t] = (x0 + k*t) mod vocab (random x0, stride k); a token needs the two before it,
+and a tiny model learns it in a few hundred steps. A `source` (a token file) gives windows at random offsets.
 """
 import math
 
@@ -42,21 +36,18 @@ class StepData:
         return self.micro_batches(step, rank, world_size, 1)[0]
 
     def micro_batches(self, step, rank, world_size, k):
-        """This rank's rows of `step` split into k (inputs, targets) micro-batches of equal size, for
-        gradient accumulation: the step's samples are the same whatever k is."""
+        """This rank's rows of `step` as k equal (inputs, targets) micro-batches: the same samples for any k."""
         per_rank = self.global_batch // world_size
         rows = self.global_rows(step)[rank * per_rank:(rank + 1) * per_rank]
         return [(r[:, :-1], r[:, 1:]) for r in rows.chunk(k)]
 
     def held_out(self, n, rank, world_size):
-        """n fixed batches that no training step draws (each from a negative step's seed), for evaluation:
-        the same at every evaluation and at every world size."""
+        """n fixed batches, from negative steps' seeds, that no training step draws: the same at every eval."""
         return [self.batch(-1 - i, rank, world_size) for i in range(n)]
 
 
 def eval_batches(cfg, rank, world_size, source=None):
-    """--eval-every: the --eval-batches held-out batches of `source` (--val-data, else --data; None: the
-    synthetic task) that every evaluation uses, announced by rank 0; [] when evaluation is off."""
+    """The --eval-batches held-out batches of `source` (None: the synthetic task) every eval uses; [] if off."""
     if not cfg.eval_every:
         return []
     val = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)

@@ -1,5 +1,4 @@
-"""Distributed setup in a few visible lines: device, backend and process group; ranks that agree (a
-flag, the loss and a stop); collective timeouts; a lost peer in one line; teardown and print0."""
+"""Distributed setup in a few visible lines, ranks that agree, collective timeouts, a lost peer in one line."""
 import contextlib
 import datetime
 import json
@@ -40,8 +39,7 @@ def pick_device(choice, local_rank, local_world_size):
 
 
 def setup(device_choice="auto", timeout_s=300):
-    """init_process_group for torchrun, or for a plain `python script.py` (world size 1): (rank,
-    world_size, device). gloo on CPU, NCCL on CUDA, same code."""
+    """(rank, world_size, device) under torchrun, or alone for `python script.py`; gloo on CPU, NCCL on CUDA."""
     refuse_unsafe_restarts()
     if "RANK" not in os.environ:  # launched without torchrun: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -78,8 +76,7 @@ def loopback_store(rank, world_size, timeout):
 
 
 def keep_on_loopback():
-    """A job on one node: gloo's sockets (and TensorPipe's, for rpc) on the loopback too. Each binds to the
-    address the host's name resolves to, which many hosts map to their network address."""
+    """On one node, gloo's and TensorPipe's sockets on the loopback too, not on the host name's address."""
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
     for name in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
         os.environ.setdefault(name, loopback)
@@ -92,10 +89,8 @@ def _free_port():
 
 
 def refuse_unsafe_restarts():
-    """Stop at once, in one line, when torchrun would restart the workers over its own shared
-    rendezvous store: after a restart the new process group can read the failed attempt's addresses
-    and fail to connect, or hang (pytorch issues 135712, 167288). The variable that prevents it is
-    read by torchrun itself, so a worker cannot set it; it can only refuse to start without it."""
+    """Refuse torchrun restarts over its shared rendezvous store, where a new group can read the last attempt's
+    addresses and hang (pytorch issues 135712, 167288); the variable against it is read by torchrun, not a worker."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         fail("torchrun restarts are not reliable while it shares its rendezvous store with the workers: "
@@ -103,14 +98,12 @@ def refuse_unsafe_restarts():
 
 
 # ----------------------------------------------------------------------------- waits for async collectives
-waiter = None  # set by a launcher that replaces a lost process alone: see wait
+waiter = None  # set by a launcher that replaces a lost process alone (see wait)
 
 
 def wait(work):
-    """Wait for an async collective's `work` (`dist.all_reduce(..., async_op=True)`): the collectives these
-    scripts wait for themselves (DDP's comm hook, agree, the gathers). A launcher that must end such a
-    wait from another thread (gloo cannot abort a collective, pytorch issue 130345) sets `waiter`, work ->
-    the future to wait for in its place."""
+    """Wait for an async collective's `work`. A launcher that must end the wait from another thread (gloo
+    cannot abort a collective, pytorch issue 130345) sets `waiter`: work -> the future to wait for instead."""
     (work if waiter is None else waiter(work)).wait()
 
 
@@ -120,10 +113,8 @@ def future_of(work):
 
 
 def gather_json(value, group=None):
-    """Every rank's `value` of `group` (default: the world), in rank order: JSON text in a uint8 tensor,
-    never a pickle, so that a process that got into the group (a rank's place taken from a job's store)
-    can send a wrong value but never run code here (json.loads makes only dicts, lists, strings,
-    numbers). Tuples come back as lists, dict keys as strings."""
+    """Every rank's `value` of `group` (default: the world), in rank order, as JSON, never a pickle: a process
+    that got into the group can send a wrong value but never run code here. Tuples come back as lists."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
@@ -138,8 +129,7 @@ def gather_json(value, group=None):
 
 
 def agree(ok, device, group=None):
-    """True only if `ok` holds on every rank of `group` (default: the world), so that all of them take
-    the same branch after a local failure."""
+    """True only if `ok` holds on every rank of `group`, so that all take the same branch after a failure."""
     flag = torch.tensor(int(ok), device=device)
     wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
     return bool(flag.item())
@@ -149,13 +139,9 @@ PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it save
 
 
 class StepGuard:
-    """What the ranks settle together at the end of each step, and the timeout of their collectives.
-
-    One all-reduce carries the loss and whether any rank got SIGTERM or SIGUSR1 (a preemption: Slurm's
-    --signal, a Kubernetes pod's termination, torchrun's agent shutting down), so every rank stops
-    after the same step. Collectives wait `timeout_s` while starting, loading and saving; once 5
-    steps are measured, `hang_timeout_s` or 20 steps' time if longer, so that a frozen rank fails
-    the job in seconds instead of minutes."""
+    """One all-reduce at each step's end carries the loss and whether any rank got SIGTERM or SIGUSR1, so all
+    stop after the same step. Collectives wait `timeout_s` while starting, loading and saving; after 5 steps,
+    `hang_timeout_s` or 20 steps' time, so that a frozen rank fails the job in seconds."""
 
     def __init__(self, device, timeout_s, hang_timeout_s):
         self.device, self.timeout_s, self.hang_timeout_s = device, timeout_s, hang_timeout_s
@@ -173,7 +159,7 @@ class StepGuard:
         return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
 
     def shorten_timeout(self, step_times):
-        """After the 5th step of this attempt (the first ones are slow): the short timeout from now on."""
+        """After this attempt's 5th step (the first ones are slow): the short timeout from now on."""
         if len(step_times) == 5:
             self.step_timeout_s = min(self.timeout_s, max(self.hang_timeout_s, 20 * statistics.median(step_times)))
             set_collective_timeout(self.step_timeout_s)
@@ -206,17 +192,13 @@ def collective_timeout_s():
 
 
 def exit_without_finalizing():
-    """End a script that has finished (files closed, summary committed) without the interpreter's
-    finalization: gloo's worker threads can abort the process there (SIGABRT, "terminate called
-    without an active exception", pytorch PR 179291), which torchrun counts as a crash and restarts,
-    and tearing down torch's objects costs about 1.2 s of CPU a process."""
+    """End without finalization, where gloo's threads may SIGABRT (pytorch PR 179291): torchrun would see a crash."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-# What gloo's and NCCL's errors say when a peer died or hung: an expected failure, which torchrun
-# answers by restarting the workers.
+# What gloo's and NCCL's errors say when a peer died or hung, which torchrun answers by a restart.
 PEER_HUNG = ("Timed out", "timed out", "timeout caused pair closure")
 PEER_LOST_NOW = "a peer was lost"  # a wait that a `waiter` ended from another thread
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
@@ -224,8 +206,7 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 def torchrun_restarts(reason):
-    """(what follows a peer lost for `reason`, the pids SIGKILLed first): torchrun restarts the workers;
-    after a hung peer, this node's other workers are fenced first (fence_local_workers)."""
+    """torchrun restarts the workers; after a hung peer, this node's others are fenced first (fence_local_workers)."""
     return "torchrun will restart the workers", fence_local_workers() if reason in PEER_HUNG else []
 
 
@@ -234,10 +215,8 @@ after_peer_loss = torchrun_restarts  # a launcher that replaces a lost process a
 
 @contextlib.contextmanager
 def peer_loss_in_one_line(run_dir):
-    """A collective that fails because a peer died or hung (a crash that torchrun recovers from): one
-    line, and the traceback in <run-dir>/traceback-rank<r>.txt, instead of 40 lines on the console
-    that read like a disaster. Exit 1, so that torchrun (or `after_peer_loss`'s launcher) starts a
-    process again. Other errors as they are."""
+    """A collective that fails because a peer died or hung: one line and exit 1 for a restart, not 40 lines that
+    read like a disaster; the traceback goes to <run-dir>/traceback-rank<r>.txt. Other errors are raised."""
     try:
         yield
     except RuntimeError as e:  # gloo's errors are RuntimeErrors; NCCL's DistBackendError is one too
@@ -255,11 +234,8 @@ def peer_loss_in_one_line(run_dir):
 
 
 def fence_local_workers():
-    """After a collective timed out (a peer hangs: it did not die): SIGKILL the other workers of this
-    node's torchrun agent (the children of this process's parent in the same torchrun run), and return
-    their pids. torchrun would stop them all anyway, but with SIGTERM, then its SIGKILL 30 s later: the
-    only signal that a stopped (SIGSTOP) or deadlocked process obeys. A SIGKILL at any moment is what the
-    checkpoints are made to survive."""
+    """After a timeout (a peer hangs), SIGKILL this node's other workers of the torchrun run; return their pids.
+    torchrun would SIGKILL them 30 s after its SIGTERM, which a stopped process ignores; checkpoints survive it."""
     me, agent, run_id = os.getpid(), os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID")
     killed = []
     if run_id is None:  # not under torchrun: no agent, no siblings
@@ -281,8 +257,7 @@ def fence_local_workers():
 
 
 def teardown(timeout_s=10):
-    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097), and the
-    scripts leave without the interpreter's finalization anyway (exit_without_finalizing)."""
+    """destroy_process_group, given at most `timeout_s`: it can hang (pytorch issue 75097)."""
     if not dist.is_initialized():
         return
     destroy = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)

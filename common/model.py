@@ -1,7 +1,5 @@
-"""A small GPT-style Transformer: token + position embedding, pre-norm blocks, a head.
-
-`model.blocks` is the list FSDP shards block by block. Weights depend only on the seed.
-"""
+"""A small GPT-style Transformer: token + position embedding, pre-norm blocks, a head. Weights depend only on
+the seed; `model.blocks` is the list FSDP shards block by block."""
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +20,8 @@ class ModelConfig:
     tie_head: bool = False
 
 
-# Model shapes by name (--preset); the first three are the CPU sizes of the comparison runner, the
-# others GPT-2-like shapes for a GPU. Parameters: 12*dim^2*layers + 13*dim*layers + (2*vocab + seq_len)*dim.
+# Model shapes by name (--preset): the comparison's CPU sizes, then GPT-2-like shapes for a GPU.
+# Parameters: 12*dim^2*layers + 13*dim*layers + (2*vocab + seq_len)*dim.
 PRESETS = {
     "tiny": dict(vocab=64, seq_len=32, dim=64, layers=2, heads=4),
     "small": dict(vocab=64, seq_len=32, dim=128, layers=3, heads=4),

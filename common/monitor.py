@@ -1,6 +1,4 @@
-"""Per-rank metrics as JSON lines: steps (loss, lr, time, tokens/s, MFU, memory, communication) and
-events (save, load, resume, restart, fallback, reshard, eval), in <run-dir>/metrics-rank<r>.jsonl.
-"""
+"""Per-rank metrics as JSON lines in <run-dir>/metrics-rank<r>.jsonl: each step's, and events (save, load, eval...)."""
 import json
 import math
 import os
@@ -40,8 +38,7 @@ def memory(device):
 
 
 def reset_peak(device):
-    """Start a new peak-memory window; returns the bytes in use now (the window's baseline). On CPU,
-    Linux's peak RSS (VmHWM) restarts from the current RSS when "5" is written to clear_refs."""
+    """Start a peak-memory window; return the bytes in use now. (CPU: writing "5" to clear_refs resets VmHWM.)"""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
@@ -61,8 +58,7 @@ def _proc_status_bytes(field):
     return int(line.split()[1]) * 1024  # kB
 
 
-# Dense bf16 peak of one GPU, from the vendors' datasheets (FLOP/s), by a part of the name torch
-# reports; the first match wins. PEAK_TFLOPS in the environment overrides it, for any other device.
+# Dense bf16 peak FLOP/s of a GPU (datasheets) by part of its name, first match wins; PEAK_TFLOPS overrides it.
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
@@ -93,8 +89,7 @@ def device_name(device):
 
 
 def training_summary(device, step_times, tokens_per_step, flops_per_step, **fields):
-    """summary.json of ddp and fsdp: the job's outcome (`fields`), then its median step time, tokens/s
-    and MFU, the device and its peak memory."""
+    """summary.json of ddp and fsdp: `fields`, the median step time, tokens/s, MFU, device and peak memory."""
     median_s = statistics.median(step_times) if step_times else None
     return {**fields, "median_step_s": median_s,
             "tokens_per_s": tokens_per_step / median_s if step_times else None,
@@ -109,8 +104,7 @@ def mfu(flops, seconds, device):
 
 
 def eval_loss(model, batches, device, bf16=False):
-    """(the mean loss of `batches` over all ranks, seconds taken), under model.eval() and no_grad: no
-    dropout and no gradient, so no random number is drawn and training goes on exactly as without it."""
+    """(the mean loss of `batches` over all ranks, seconds); in eval mode no dropout draws a random number."""
     t0 = time.perf_counter()
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):

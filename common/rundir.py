@@ -17,8 +17,7 @@ HELD_LOCKS = []  # the run folder's lock, open for the life of the process (hold
 
 
 def hold_run_dir(run_dir, rank):
-    """Make the run folder and its ckpt/; rank 0 then holds the folder's lock until it exits, and a folder
-    in use stops the job in one line."""
+    """Make the run folder and its ckpt/; rank 0 holds its lock until it exits, or stops if it is in use."""
     (Path(run_dir) / "ckpt").mkdir(parents=True, exist_ok=True)
     if rank == 0:
         lock = lock_run_dir(run_dir)
@@ -28,8 +27,7 @@ def hold_run_dir(run_dir, rank):
 
 
 def lock_run_dir(run_dir):
-    """Hold an exclusive lock on the run folder for the life of this process, or return None if
-    another job holds it. The OS drops a dead process's lock, so a crash never leaves it stale."""
+    """The run folder's lock for this process's life, or None if held; the OS drops a dead process's lock."""
     # Never through a link: opened so, a .lock linked to another file would be truncated below.
     f = os.fdopen(os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
     try:
@@ -44,9 +42,8 @@ def lock_run_dir(run_dir):
 
 
 def writable(folder, create=True):
-    """None if files can be created in `folder`, else why not. A missing folder that the job will make
-    (`create`) is judged by the nearest one above it: checking makes nothing, so that a refused launch
-    leaves no folder behind."""
+    """None if files can be created in `folder`, else why not. A missing one the job will make (`create`) is
+    judged by the nearest one above it, so that a refused launch leaves no folder behind."""
     try:
         if create:
             folder = next(p for p in [Path(folder), *Path(folder).parents] if p.exists())
@@ -58,9 +55,8 @@ def writable(folder, create=True):
 
 
 def run_dir_problems(run_dir, export=""):
-    """['--run-dir: ... is not a writable folder (why)'] if the run folder, its ckpt/ or the folder of
-    the file --export names cannot take files, or its .lock is not a plain file, or --export names a
-    folder, or one that another user could replace the file in (writable by others, not sticky); else []."""
+    """[the problem] if the run folder, its ckpt/ or --export's folder cannot take files, its .lock is not a
+    plain file, or --export names a folder or one where another user could replace the file; else []."""
     lock = Path(run_dir) / ".lock"
     if lock.is_symlink() or (lock.exists() and not lock.is_file()):
         return [f"--run-dir: {lock} is not a plain file (a link or a folder): remove it"]
@@ -73,9 +69,7 @@ def run_dir_problems(run_dir, export=""):
         why = writable(folder, create)
         if why:
             return [f"{flag}: {folder} is not a writable folder ({why})"]
-    # Another user must not be able to replace the weights written there: a folder of this user's (or
-    # root's) that group and others cannot write, as ownership_problems asks of ckpt/, or a sticky one of
-    # theirs (/tmp: nobody there replaces another's file).
+    # Others must not replace the export: its folder is writable by no one else (as ckpt/), or sticky (/tmp).
     if export and (why := _written_by_others(folders[-1][1], True)):
         st = os.stat(folders[-1][1])
         if not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
@@ -84,14 +78,9 @@ def run_dir_problems(run_dir, export=""):
 
 
 def ownership_problems(run_dir, folders=()):
-    """['--run-dir: ...'] (one line, the first problem and how many more) if another user could have
-    written what a resume loads, else []. Loading a checkpoint unpickles it, so, as ssh treats a key
-    file, the run folder, its ckpt/, each checkpoint there (step-NNNNNNNN.pt, step-NNNNNNNN/) and each
-    file of a checkpoint folder must belong to this user (or root) and not be writable by group or
-    others; a checkpoint is never a symbolic link. A user private group (see _private_group) may write.
-    `folders`: other folders of the run folder that the job writes into (a tier's: light/), held to the
-    same rule: another user must not replace what the job leaves there. What does not exist yet (a
-    fresh run) is fine."""
+    """[one line] if another user could have written what a resume loads (it unpickles), else []. As ssh treats a
+    key file, the run folder, ckpt/, each checkpoint and its files, and `folders`, must be this user's or root's,
+    writable by no group but a private one and no others, and no checkpoint a link."""
     run_dir, ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
     entries = [p for p in _listing(ckpt_dir) if _NAME.match(p.name)]
     inside = [f for p in entries if not p.is_symlink() for f in _listing(p)]
@@ -139,9 +128,8 @@ def _user(uid):
 
 
 def _private_group(gid):
-    """True if `gid` is this user's own group (named after the user, its primary group, no other member),
-    as with umask 002 on Debian and Ubuntu: its write permission lets no one else in (Debian's ssh
-    admits it so)."""
+    """True if `gid` is this user's own group (its name, its primary group, no other member), as with umask
+    002 on Debian: its write permission lets no one else in (Debian's ssh admits it)."""
     try:
         group, user = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
     except KeyError:

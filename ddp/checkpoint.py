@@ -1,12 +1,6 @@
-"""ddp/train.py's checkpoint, built and read here: one file ckpt/step-NNNNNNNN.pt that rank 0 writes
-(the unwrapped model, the optimizer, step, world size, config and every rank's RNG), committed by its
-atomic rename.
-
-Checkpointer says what a checkpoint holds (write), waits for its commit (commit) and loads one
-(load); when to save, and the ladder of a resume, are common.checkpointer.BaseCheckpointer's. Below
-it: the record of a save in flight and the copy of the state into CPU memory that an async save
-writes while training goes on.
-"""
+"""ddp/train.py's checkpoint: one file ckpt/step-NNNNNNNN.pt that rank 0 writes (the unwrapped model, the
+optimizer, step, world size, config and every rank's RNG), committed by its atomic rename. When to save is
+common/checkpointer.py's; an async save writes a CPU copy of the state while training goes on."""
 import dataclasses
 import functools
 import time
@@ -24,8 +18,7 @@ from common.config import fail
 from common.dist import agree, gather_json, print0
 from common.model import SHAPE_FIELDS
 
-# The layout of ckpt/step-NNNNNNNN.pt (Checkpointer.write writes it, Checkpointer.load reads it); a load
-# refuses any other.
+# The layout Checkpointer.write writes; a load refuses any other.
 FORMAT = 2
 # Settings a resume must keep: the model's shape (or the weights do not fit) and which samples a step sees.
 SAMPLE_FIELDS = ("seed", "batch_size", "data")
@@ -35,8 +28,7 @@ read_checkpoint = functools.partial(torch.load, map_location="cpu", weights_only
 
 
 class Checkpointer(BaseCheckpointer):
-    """What a checkpoint of ddp/train.py holds (write), its commit, and the resume; when to save is
-    BaseCheckpointer's (common/checkpointer.py)."""
+    """What a checkpoint holds (write), its commit, and the resume from disk (load)."""
 
     def __init__(self, *args, faults=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,11 +40,8 @@ class Checkpointer(BaseCheckpointer):
             print0(f"async save: copied on the main thread into {memory} CPU memory, written in a background thread")
 
     def write(self, step, asynchronous):
-        """Rank 0 writes everything a bitwise resume needs into one file, committed by its rename; every
-        rank sends it its RNG. Returns the PendingSave, still being written if asynchronous; else None
-        (committed). An async save copies the state into CPU memory on the main thread (pinned on CUDA:
-        a fast copy from the GPU), after which training may change the weights; the write pool then
-        writes, fsyncs and renames the file."""
+        """Rank 0 writes what a bitwise resume needs; returns the PendingSave if `asynchronous`, else None. An async
+        save copies the state to CPU memory first, after which training may change the weights."""
         t0 = time.perf_counter()
         rngs = [rng_from_json(r) for r in gather_json(rng_to_json(rng_state()))]  # every rank's, saved by rank 0
         pending = PendingSave(step, t0)
@@ -84,9 +73,8 @@ class Checkpointer(BaseCheckpointer):
         return None
 
     def commit(self, pending, in_loop=True):
-        """Wait for rank 0's write (in the loop, the wait blocks training); the ranks then agree on its
-        outcome, so that all of them stop after a failed write (one line and exit 3: the checkpoints of
-        earlier steps stay the ones a restart loads), and none runs ahead of an unfinished save."""
+        """Wait for rank 0's write; the ranks agree on its outcome, so that all stop after a failed write (exit 3,
+        earlier checkpoints kept) and none runs ahead of an unfinished save."""
         t0, nbytes, error = time.perf_counter(), 0, None
         if pending.future is not None:
             try:
@@ -109,10 +97,8 @@ class Checkpointer(BaseCheckpointer):
             self.write_pool.shutdown()
 
     def load(self):
-        """Restore the model, the optimizer and this rank's RNG from the newest checkpoint that loads, or
-        seed the RNG for a fresh start. Returns the step resumed from, or None. Rank 0 picks the checkpoint
-        (falling back past torn ones) and every rank loads that same file, so no rank can resume from
-        another step than the others."""
+        """Restore the model, optimizer and RNG from the newest checkpoint that loads, or seed a fresh start;
+        return the step or None. Rank 0 picks the file and every rank loads it, so all resume from one step."""
         cfg, rank, world = self.cfg, self.rank, self.world
         path, state, t0 = None, None, time.perf_counter()
         if rank == 0:
@@ -141,10 +127,8 @@ class Checkpointer(BaseCheckpointer):
 
 @dataclass
 class PendingSave:
-    """A checkpoint being saved. blocking_s is what the training loop waited for it: all of a synchronous
-    save; for an async one the CPU copy (staging_s), then the wait for its write before the next save
-    (not the wait at the end of the job: no step is left to stall). `future` is rank 0's write (its
-    result: the bytes written)."""
+    """A save in flight. blocking_s is what the loop waited for it: all of a synchronous save; of an async one, the
+    CPU copy (staging_s) and the wait before the next save (not the one at the end: no step is left to stall)."""
     step: int
     t0: float
     blocking_s: float = 0.0
@@ -154,9 +138,8 @@ class PendingSave:
 
 
 def cpu_copy(obj, pin, memo=None):
-    """A copy of `obj` (dicts, lists and tuples of tensors and plain values) whose tensors own CPU memory,
-    pinned if `pin` (the copies from the GPU are then non-blocking: synchronize before reading them). A
-    tensor met twice (tied weights) is copied once, as torch.save would store it once."""
+    """`obj` with its tensors copied into CPU memory, pinned and non-blocking if `pin` (synchronize before
+    reading). A tensor met twice (tied weights) is copied once, as torch.save stores it once."""
     memo = {} if memo is None else memo
     if torch.is_tensor(obj):
         if id(obj) not in memo:

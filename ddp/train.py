@@ -8,12 +8,10 @@
     python ddp/train.py --export model.pt              # one process, no torchrun; the final weights as one file
     bash run.sh ddp 4 --survivors --spares 1           # a dead rank replaced alone, by a waiting spare
 
-Every rank holds the whole model; gradients are all-reduced. Rank 0 saves the unwrapped model,
-optimizer, step, config and every rank's RNG state into one file, atomically (ddp/checkpoint.py); every
-rank resumes from the newest file that loads. Data and learning rate are functions of the step, so a
-crashed and restarted job ends with exactly the weights of one that never crashed. A loss that is not
-finite stops the job before it saves; checkpoints that do not load are moved aside, never deleted. The
-optional tiers (tiers/) plug in where their flags ask for them, each in one `if` block (README).
+Every rank holds the whole model; gradients are all-reduced. Rank 0 saves one file atomically (ddp/checkpoint.py)
+and every rank resumes from the newest that loads. Data and learning rate are functions of the step, so a
+restarted job ends with exactly the weights of one that never crashed. A loss that is not finite stops the
+job before it saves. The optional tiers (tiers/) plug in where their flags ask, each in one `if` block.
 """
 import contextlib
 import dataclasses
@@ -41,8 +39,7 @@ from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SH
 from common.data import StepData, eval_batches, lr_at
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, future_of, peer_loss_in_one_line, print0,
                          restarts, setup, teardown)
-from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
-                          num_params_of)
+from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params, num_params_of
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
                             training_summary)
 from common.rundir import hold_run_dir, ownership_problems, run_dir_problems
@@ -132,8 +129,7 @@ def check(cfg):
 
 
 def forward_backward(ddp_model, micro_batches, device, bf16):
-    """Forward and backward of one step's micro-batches (--grad-accum); returns the step's loss, their mean.
-    Gradients add up on each rank; only the last micro-batch's backward all-reduces them."""
+    """Forward and backward over the step's micro-batches; returns their mean loss. Only the last all-reduces."""
     loss = 0.0
     for i, (inputs, targets) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
@@ -146,9 +142,8 @@ def forward_backward(ddp_model, micro_batches, device, bf16):
 
 
 def wrap(model, device):
-    """The DDP model, and the timer of its all-reduces (CommTimer). DDP regroups its buckets after the first
-    step; a resumed (or rebuilt) one would then sum in another order (other weights at 4 ranks, seen here).
-    find_unused_parameters keeps the first buckets, for a graph traversal a step and a one-time warning."""
+    """The DDP model and its CommTimer. find_unused_parameters keeps the first step's buckets, which DDP would
+    regroup, so that a resumed or rebuilt model sums in the same order (without it, 4 ranks' weights differed)."""
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     comm = CommTimer()
     ddp_model.register_comm_hook(None, comm.hook)
@@ -156,10 +151,8 @@ def wrap(model, device):
 
 
 class CommTimer:
-    """A DDP comm hook that all-reduces like the default hook and, on gloo, measures each bucket's
-    all-reduce from launch to completion. `pop()` returns the seconds spent in all-reduce since the last
-    call; None on NCCL, whose futures complete once the all-reduce is queued on its stream (pytorch PR
-    48503), so the same timer would measure only the launch."""
+    """A DDP comm hook that all-reduces like the default one and times it; pop() gives the seconds since the last
+    call, on gloo only: NCCL's futures complete once it is queued (pytorch PR 48503), so it would time the launch."""
 
     def __init__(self):
         self.seconds = None
@@ -192,8 +185,7 @@ def start(cfg):
 
 
 def open_tiers(cfg, rank, world, model, optimizer, monitor):
-    """(the tiers the checkpointer calls beside the disk, common/checkpointer.py; the tests' faults or None),
-    each opened only if its flag asks. (The token files plug in at main's data section.)"""
+    """(the tiers the checkpointer calls beside the disk, the tests' faults or None), each if its flag asks."""
     tiers, faults = [], None
     if os.environ.get("FT_FAULTS"):
         from tiers.faults import Faults
