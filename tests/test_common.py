@@ -3,7 +3,6 @@ import dataclasses
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -279,26 +278,6 @@ def test_a_bad_ft_faults_stops_run_sh_before_any_worker_starts(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "FT_FAULTS=crash-at-step=-3: crash-at-step must be > 0 (a step), got -3" in proc.stderr
     assert not (tmp_path / "metrics-rank0.jsonl").exists()
-
-
-def test_a_copy_without_tiers_refuses_in_one_line_naming_the_flag_or_trains_without_it(tmp_path):
-    # ddp/ and common/ alone, as a user copies them: the memory tier, on by default, is not there.
-    for folder in ("ddp", "common"):
-        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this repository's
-    flags = [sys.executable, "ddp/train.py", "--run-dir", "run", "--steps", 2, "--dim", 32, "--heads", 2]
-
-    def run(*more):
-        return subprocess.run([*map(str, flags), *more], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=120)
-
-    refused_ = run()
-    assert refused_.returncode == 2 and refused_.stderr == (
-        "train.py: error: --snapshot-every needs tiers/, which is not here: copy it with the script, or run with "
-        "--snapshot-every 0 (see --help)\n")
-    trained = run("--snapshot-every", "0")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert (tmp_path / "run" / "summary.json").exists()
 
 
 def test_peak_flops_is_known_for_listed_gpus_or_given_by_the_environment(monkeypatch):

@@ -64,7 +64,8 @@ def test_a_script_copied_with_common_alone_resumes_a_run_bitwise(script, referen
     plain = subprocess.run([sys.executable, core / script, "--run-dir", tmp_path / "other"], capture_output=True,
                            text=True, timeout=120)
     assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
-    assert "tiers is not here, and a flag (yours or its default) needs it" in plain.stderr
+    assert plain.stderr.endswith("error: --snapshot-every needs tiers/, which is not here: copy it with the script, or "
+                                 "run with --snapshot-every 0 (see --help)\n"), plain.stderr
     assert not (tmp_path / "other").exists()
     # The memory tier's flag off; no --data (no token file), no fault flag.
     resumed = torchrun(core / script, 2, run_dir, *SMALL, *DROPOUT, "--snapshot-every", "0")  # no restart, no traceback
