@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 
-from harness.launch import dies_with_parent
+from harness.procs import dies_with_parent
 from harness.warm import READY_S, Forked, WarmParent
 from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD, claim_of,
                              in_network_namespace, vacancy_of)

@@ -17,7 +17,7 @@ import torch
 from common.checkpoint import param_digest
 from common.model import ModelConfig, Transformer
 from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
-from harness import launch
+from harness import launch, procs
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
 from tiers.archive import ASIDE
@@ -56,7 +56,7 @@ SAVES = list(range(25, 401, 25))
 def long_job(tmp_path_factory, s3):
     run = tmp_path_factory.mktemp("archive-long") / "run"
     cmd, env = launch.torchrun("ddp/train.py", 1, run, FLAGS, env={**s3.env, "FT_ARCHIVE_CRASH_AT_STEP": "50"})
-    job, watch = launch.start(cmd, env, run.parent / "job.log"), Watch(run)
+    job, watch = procs.start(cmd, env, run.parent / "job.log"), Watch(run)
     try:
         assert watch.first("archive", job), "the job ended before its first archive"
         s3.stop(crash=True)
@@ -65,7 +65,7 @@ def long_job(tmp_path_factory, s3):
     finally:
         s3.start()
     up_since = time.time()
-    code, output, hung = launch.finish(job, time.time() + 240)
+    code, output, hung = procs.finish(job, time.time() + 240)
     assert not launch.problems(run, code, output), output[-3000:]
     return run, output, failed, up_since
 

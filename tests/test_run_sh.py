@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import launch
+from harness import launch, procs
 from conftest import REPO
 
 
@@ -101,7 +101,7 @@ def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigk
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
     # torch 2.14's torchrun has the flag, 2.11's does not (its agent waits 30 s, always).
     assert ("--shutdown-timeout=44" in cmd) == launch.has_shutdown_timeout()
-    assert launch.exit_code(0, env) == 0  # no worker left a stop's code
+    assert procs.exit_code(0, env) == 0  # no worker left a stop's code
 
 
 @pytest.mark.parametrize("layout", ["torchrun", "survivors"])
@@ -115,7 +115,7 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path, layout):
     run = tmp_path / "run"
     cmd = ["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(run), *SMALL, "--steps", "100000",
            "--save-every", "100000", *(["--survivors", "--spares", "1"] if layout == "survivors" else [])]
-    proc, tree = launch.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
+    proc, tree = procs.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
     try:
         assert wait_for_step(run, 5, proc), "the job ended before step 5"
         sockets = listening(proc.pid)

@@ -17,7 +17,7 @@ checkpoint's would be.
 
 The folder is this user's alone: open_tier makes it with mode 700 and refuses one that another user
 made or can write; every file in it is opened without following a link and checked (a regular file of
-this user's). Another local user can neither read a snapshot, plant one, nor redirect a write. A slot's
+this user's: tiers/shm.py). Another local user can neither read a snapshot, plant one, nor redirect a write. A slot's
 bytes are reserved before they are written: a full tmpfs is then an error that turns the tier off,
 where a write through a mapping it cannot back would kill the process (SIGBUS).
 
@@ -41,12 +41,9 @@ import dataclasses
 import datetime
 import functools
 import json
-import mmap
 import os
-import stat
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +57,7 @@ from common.checkpoint import (atomic_write, checkpoints, resume_problem, rng_fr
                                set_rng_state)
 from common.dist import PEER_LOST, agree, gather_json, print0, wait
 from common.model import SHAPE_FIELDS
+from tiers.shm import checksum, folder_problem, map_file, private_folder, read_checked
 
 FORMAT = 2  # the layout of a record (written below, read in `load`); 2: its checksum covers its layout
 ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its typed view is aligned
@@ -160,66 +158,6 @@ def run_id(ckpt_dir, make=True):
     if made_in != here and make:  # (an id of an older version, made_in "": bound to the folder it is in)
         atomic_write(path, lambda f: f.write(f"{run} {here}".encode()), mode=0o600)
     return run
-
-
-def private_folder(folder):
-    """Make `folder` (mode 0700) unless it is there; then why it cannot hold this user's snapshots
-    (folder_problem), or None."""
-    try:
-        Path(folder).parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(folder, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"--snapshot-dir {folder}: cannot make it ({e.strerror})"
-    return folder_problem(folder)
-
-
-def folder_problem(folder):
-    """Why the existing `folder` cannot hold this user's snapshots, or None. Another local user who made
-    it, or who can write in it, could read them, plant files to be restored as this run's, or plant
-    links that a write would follow; one who can write its parent (without the sticky bit that /dev/shm
-    has) could swap it for another."""
-    st, parent = os.lstat(folder), os.stat(Path(folder).parent)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
-                f"{st.st_uid}; the tier needs mode 700), so its snapshots could be another's: remove it, or pass another")
-    if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
-        return f"--snapshot-dir {folder}: anyone can write its parent (no sticky bit) and so replace it: pass another"
-    return None
-
-
-def open_checked(path, flags):
-    """os.open(path) for the tier: never through a link, a file made with mode 600, checked to be a
-    regular file of this user's that no one else can write (ValueError if not)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise ValueError(f"{Path(path).name} is not a file of this user's alone")
-    return fd
-
-
-def read_checked(path):
-    with os.fdopen(open_checked(path, os.O_RDONLY), "rb") as f:
-        return f.read()
-
-
-def map_file(path, nbytes, write):
-    """The file `path` as `nbytes` uint8 in memory. write: mapped shared (a write goes to the file), made if
-    absent and its bytes reserved first: tmpfs answers a write to a page it cannot back with SIGBUS,
-    which kills the process, where posix_fallocate raises OSError (ENOSPC). Else a private view of
-    a file that must have that size (ValueError if not)."""
-    fd = open_checked(path, os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
-    try:
-        if write:
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{Path(path).name} has the wrong size")
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED if write else mmap.MAP_PRIVATE)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def local_tensors(state):
@@ -602,12 +540,6 @@ class Snapshots:
             self.folder.rmdir()
         except OSError:  # another run's snapshots are still there, or another rank removed it first
             pass
-
-
-def checksum(part, entries):
-    """CRC32 of a part of a slot's bytes (uint8) and of the layout that gives them their meaning (names,
-    dtypes, shapes, offsets): a record whose offsets were changed must not restore other weights."""
-    return zlib.crc32(json.dumps(entries).encode(), zlib.crc32(part.numpy()))
 
 
 def part(entries, nbytes, index, count):
