@@ -404,12 +404,13 @@ class ArchiveTier:
         return {"archived": self.archived}
 
 
-def die_with_parent(parent):
-    """The uploader ends with the training process that started it (PR_SET_PDEATHSIG, set here rather than
-    between fork and exec, which is unsafe in a process with threads): a restarted job starts its own."""
+def end_with_trainer(trainer):
+    """Make this process, the uploader, end with the training process `trainer` that started it: the
+    kernel SIGKILLs it when `trainer` dies (PR_SET_PDEATHSIG, set by the uploader itself once it runs:
+    between fork and exec is unsafe in a process with threads). A restarted job starts its own."""
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the call
+    if os.getppid() != trainer:  # it died before the call
         sys.exit(1)
 
 
@@ -536,5 +537,5 @@ def move_aside(fs, url, step, why):
 
 
 if __name__ == "__main__":
-    die_with_parent(int(sys.argv[2]))
+    end_with_trainer(int(sys.argv[2]))
     serve(sys.argv[1])
