@@ -4,10 +4,14 @@ its own. rpc/ps.py's archive: tests/test_rpc.py's reference job."""
 import dataclasses
 import functools
 import hashlib
+import io
 import json
+import os
 import re
 import shutil
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused,
 from harness import launch, procs
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
+from tiers import archive
 from tiers.archive import ASIDE
 
 
@@ -207,6 +212,43 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     done = run_sh("ddp", 2, *run, "--archive", "s3://nosuch/x", env=s3_env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "bucket nosuch does not exist" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_upload_to_a_store_that_stops_answering_is_cut_off_in_one_line_and_retried(s3, s3_env, tmp_path,
+                                                                                      monkeypatch, capsys):
+    # N4: the store stops (SIGSTOP) as the uploader starts to send a file. Its request then waits for the
+    # store's "100 Continue", which no read timeout bounds; the file's deadline cuts it off in one line, the
+    # uploader tries again, and the step is archived whole once the store answers again, its marker last.
+    monkeypatch.setattr(archive, "STALL_S", 2)
+    monkeypatch.setitem(archive.CLIENT_CONFIG, "read_timeout", 2)  # the retries' requests while it is stopped
+    path = tmp_path / "step-00000007.pt"
+    path.write_bytes(os.urandom(4 << 20))
+    fs, stopped = archive.filesystem(), []
+    put = fs.put_file
+
+    def stop_the_store_first(*args, **kwargs):
+        if not stopped:
+            os.kill(s3.proc.pid, signal.SIGSTOP)
+            stopped.append(True)
+        return put(*args, **kwargs)
+
+    fs.put_file, results = stop_the_store_first, io.StringIO()
+    again = threading.Timer(8, os.kill, (s3.proc.pid, signal.SIGCONT))
+    again.start()
+    try:
+        done = archive.attempt(fs, "s3://ckpt/stalled", {"step": 7, "path": str(path), "config": {}}, results)
+    finally:
+        again.cancel()
+        os.kill(s3.proc.pid, signal.SIGCONT)
+    assert results.getvalue(), f"the upload waited for the store in silence ({done})"
+    first = json.loads(results.getvalue().splitlines()[0])
+    assert re.fullmatch(r"TimeoutError: step-00000007.pt not stored in \d s: the store stopped answering, or is "
+                        r"slower than 8 MiB/s", first["failed"]), first
+    err = capsys.readouterr().err
+    assert f"archive: step 7: attempt 1 failed ({first['failed']}); again in 1 s\n" in err, err
+    assert done["attempts"] >= 2 and done["bytes"] == 4 << 20
+    assert marked(s3.client(), "stalled") == [7]
+    assert s3.client().cat_file(f"{BUCKET}/stalled/step-00000007/step-00000007.pt") == path.read_bytes()
 
 
 def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, fsdp_four_ranks, s3):
