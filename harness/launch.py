@@ -210,13 +210,18 @@ def preflight(script, worlds, flags, local_world=None, job=None):
 
 
 def survivors_layout(flags):
-    """(--survivors, --spares, --hang-timeout-s) of a job's flags, read without importing its script."""
+    """(--survivors, --spares, --hang-timeout-s) of a job's flags, read without importing its script. One it
+    cannot read (--spares abc, --survivors=yes) gives the defaults: the script's own check refuses it, in
+    its one line (the preflight; each worker without it), where this parser would print its usage."""
     import argparse
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--survivors", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--hang-timeout-s", type=float, default=15.0)
-    known, _ = parser.parse_known_args(flags)
+    try:
+        known, _ = parser.parse_known_args(flags)
+    except argparse.ArgumentError:
+        return False, 0, 15.0
     return known.survivors, known.spares, known.hang_timeout_s
 
 

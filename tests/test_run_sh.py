@@ -91,6 +91,19 @@ def test_a_bad_launch_setting_is_one_line_before_anything_starts(env, line):
     assert proc.returncode == 2 and proc.stderr.startswith(f"run.sh: {line}") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--spares", "abc"], "argument --spares: invalid int value: 'abc' (see --help)"),
+    (["--survivors=yes"], "argument --survivors/--no-survivors: ignored explicit argument 'yes' (see --help)"),
+])
+def test_a_survivors_flag_the_launcher_cannot_read_is_the_scripts_one_line(tmp_path, flags, line):
+    # The launcher reads --survivors and --spares before the preflight: a value it cannot read is left to the
+    # script's check, whose line names the script, not a usage block of the launcher's three flags (audit N5).
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(tmp_path / "run"), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == f"ddp/train.py: error: {line}\n", proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigkill(tmp_path):
     assert launch.grace_for(tmp_path) == 30  # nothing measured yet: torchrun's own 30 s
     events = [{"event": "step", "step": 1, "step_s": 0.1}, {"event": "save", "step": 50, "total_s": 4.2},
