@@ -20,12 +20,14 @@ import torch
 
 from common.checkpoint import param_digest
 from common.model import ModelConfig, Transformer
+from common.config import parse_config
 from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
 from harness import launch, procs
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
 from tiers import archive
 from tiers.archive import ASIDE
+from tiers.snapshot import default_dir
 
 
 @pytest.fixture
@@ -212,6 +214,21 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     done = run_sh("ddp", 2, *run, "--archive", "s3://nosuch/x", env=s3_env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "bucket nosuch does not exist" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_job_refused_over_a_damaged_archive_leaves_nothing_in_dev_shm(s3, tmp_path):
+    # N6: the archive's only step is damaged (its object shorter than its marker says), so the job stops at
+    # its resume (exit 2, "never a fresh start over the archive"), after the memory tier has opened: the
+    # tier's folder is made by its first snapshot, so none is left behind.
+    module = launch.load_script(REPO / "ddp/train.py")
+    config = dataclasses.asdict(parse_config(module.Config, module.check, [*map(str, SMALL)]))
+    plant_marker(s3.client(), "damaged", 4, "step-00000004.pt", {"step-00000004.pt": (b"x" * 10, 1000)},
+                 objects=[("step-00000004.pt", b"x" * 10)], config=config)
+    run = tmp_path / "run"
+    out = torchrun("ddp/train.py", 1, run, *SMALL, "--archive", "s3://ckpt/damaged", env=s3.env, check=False)
+    assert out.returncode == 2 and "never a fresh start over the archive" in out.stderr, out.stderr[-2000:]
+    assert default_dir(run).name.endswith((run / "ckpt" / "run-id").read_text()[:16])  # the run's own folder
+    assert not default_dir(run).exists()
 
 
 def test_an_upload_to_a_store_that_stops_answering_is_cut_off_in_one_line_and_retried(s3, s3_env, tmp_path,

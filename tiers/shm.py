@@ -33,7 +33,8 @@ def folder_problem(folder):
     st, parent = os.lstat(folder), os.stat(Path(folder).parent)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
-                f"{st.st_uid}; the tier needs mode 700), so its snapshots could be another's: remove it, or pass another")
+                f"{st.st_uid}; the tier needs mode 700), so its snapshots could be another's: remove it, or "
+                "pass another")
     if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
         return f"--snapshot-dir {folder}: anyone can write its parent (no sticky bit) and so replace it: pass another"
     return None

@@ -15,11 +15,12 @@ of it is recorded and matches its checksum. <run> is the run's id (ckpt/run-id, 
 run), so another run's snapshots are never read; a record whose config differs is refused as a disk
 checkpoint's would be.
 
-The folder is this user's alone: open_tier makes it with mode 700 and refuses one that another user
-made or can write; every file in it is opened without following a link and checked (a regular file of
-this user's: tiers/shm.py). Another local user can neither read a snapshot, plant one, nor redirect a write. A slot's
-bytes are reserved before they are written: a full tmpfs is then an error that turns the tier off,
-where a write through a mapping it cannot back would kill the process (SIGBUS).
+The folder is this user's alone: the first snapshot makes it with mode 700, and open_tier (then the
+first snapshot) refuses one that another user made or can write; every file in it is opened without
+following a link and checked (a regular file of this user's: tiers/shm.py). Another local user can
+neither read a snapshot, plant one, nor redirect a write. A slot's bytes are reserved before they are
+written: a full tmpfs is then an error that turns the tier off, where a write through a mapping it
+cannot back would kill the process (SIGBUS).
 
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
@@ -110,8 +111,9 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
     ids = gather_json(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
     folder = folder_of(cfg, ids[0])
-    # made here (it may have been made by another since the check)
-    problems = gather_json(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
+    # Checked again here if it is there (another may have made it since the check); else the first snapshot
+    # makes it (Snapshots.make_folder), so that a job that stops before (refused by the archive) leaves nothing.
+    problems = gather_json(existing_problem(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
                            "folder)")
     bad = next((r for r, problem in enumerate(problems) if problem), None)
     if bad is not None:
@@ -137,6 +139,14 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
            + (f", each {'record' if replicate == 'records' else 'record and its shards'} also kept by rank "
               f"+ {local} (the next node)" if replica else ""))
     return snapshots
+
+
+def existing_problem(folder):
+    """Why `folder`, if it is there, cannot hold this user's snapshots (folder_problem), or None."""
+    try:
+        return folder_problem(folder)
+    except FileNotFoundError:  # not made yet
+        return None
 
 
 def run_id(ckpt_dir, make=True):
@@ -273,6 +283,7 @@ class Snapshots:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self.copying = None  # the copy in flight
         self.failed = False  # a copy failed: no more snapshots on this rank
+        self.made = False  # the folder, made (or checked again) by the first snapshot
         self.tensors = None  # the live tensors copied at each snapshot, found at the first
         self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
@@ -378,6 +389,7 @@ class Snapshots:
         payload, error = b"", None
         if not self.failed:
             try:
+                self.make_folder()
                 payload = self._copy(step, rng, crash_midway)
             except Exception as e:  # still exchange (an empty record), then report it
                 error = e
@@ -385,6 +397,15 @@ class Snapshots:
             self.replica.exchange(payload, self.maps[self.slot(step)][0] if payload else None)
         if error is not None:
             raise error
+
+    def make_folder(self):
+        """Make the folder (mode 0700) at the first snapshot, or check it again if another rank has; one
+        that is not this user's alone fails the copy (OSError)."""
+        if not self.made:
+            problem = private_folder(self.folder)
+            if problem:
+                raise OSError(problem)
+            self.made = True
 
     def _copy(self, step, rng, crash_midway):
         slot = self.slot(step)
