@@ -15,7 +15,7 @@ of their own, so every launch here sets it.
 
 A deliberate stop (a refused setting, a full disk, a diverged loss) ends a worker under torchrun with
 status 0, the one torchrun does not retry, its real code left in $FT_STOP_FILE (common.stop.stop):
-every launch here names a private file for it, and main() and finish() report that code.
+every launch here names a private file for it, and main() and harness.procs.finish() report that code.
 """
 import atexit
 import functools
