@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from common.checkpoint import checkpoints  # noqa: E402
 from common.config import Parser  # noqa: E402
-from harness.launch import STRATEGIES, column, finish, problems, start, survivors_job, torchrun  # noqa: E402
+from harness.launch import STRATEGIES, column, problems, survivors_job, torchrun  # noqa: E402
+from harness.procs import finish, start  # noqa: E402
 from harness.metrics import (events, median_or_none, phases, startup_peaks, step_slowdown_while_saving,  # noqa: E402
                              training_peaks)
 from common.model import PRESETS  # noqa: E402

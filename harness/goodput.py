@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.config import Parser  # noqa: E402
-from harness.launch import finish, problems, start, survivors_job, torchrun, workers  # noqa: E402
+from harness.launch import problems, survivors_job, torchrun  # noqa: E402
+from harness.procs import finish, start, workers  # noqa: E402
 from harness.metrics import Watch, events, phases  # noqa: E402
 
 MODES = {"disk alone": ["--snapshot-every", 0, "--save-every", 10],

@@ -15,7 +15,7 @@ of their own, so every launch here sets it.
 
 A deliberate stop (a refused setting, a full disk, a diverged loss) ends a worker under torchrun with
 status 0, the one torchrun does not retry, its real code left in $FT_STOP_FILE (common.stop.stop):
-every launch here names a private file for it, and main() and finish() report that code.
+every launch here names a private file for it, and main() and harness.procs.finish() report that code.
 """
 import atexit
 import functools
@@ -28,14 +28,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run.sh runs this file as a script
 
 from common.stop import STOP_FILE  # noqa: E402  (common.stop imports no torch)
+from harness.procs import REPO, dies_with_parent, exit_code, free_port  # noqa: E402
 
 # The jobs that the chaos soak faults and the comparison measures, by name: (script, extra flags).
 # The comparison names its columns by the command instead (column()): "ddp --async-save".
@@ -57,12 +56,6 @@ def column(strategy):
     return " ".join([Path(script).parent.name, *flags])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 # An elastic job (--nnodes MIN:MAX) re-forms without a lost node. c10d's defaults make that slow: a
 # node is dropped from the rendezvous only after keep_alive_max_attempt missed heartbeats, one every
 # keep_alive_interval s (default 3 x 5 s), and a round that has MIN nodes waits last_call_timeout s
@@ -81,16 +74,6 @@ def nodes(nnodes):
     rendezvous and stores are private to the machine."""
     nnodes = str(nnodes or "1")
     return "1" if nnodes.rpartition(":")[2] == "1" else nnodes
-
-
-def dies_with_parent(cmd, number):
-    """`cmd`, started so that the kernel sends it the signal `number` when this process dies (PR_SET_PDEATHSIG,
-    which lasts through exec), set by the child itself before it execs `cmd`: between fork and exec
-    (preexec_fn) is unsafe in a process with threads. A child whose parent died first never starts."""
-    start = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "
-             "os.getppid() == int(sys.argv[2]) or sys.exit(1); os.execv(sys.argv[3], sys.argv[3:])")
-    return [sys.executable, "-c", start, str(int(number)), str(os.getpid()), *map(str, cmd)]
-
 
 
 def torchrun(script, nproc, run_dir=None, flags=(), nnodes=1, max_restarts=3, endpoint=None, rdzv_id=None, env=None,
@@ -132,17 +115,6 @@ def stop_folder():
     return folder
 
 
-def exit_code(returncode, env):
-    """A finished job's exit status: the code of a deliberate stop, if a worker left one in the stop
-    file of `env` (torchrun itself then exits 0), else torchrun's. A relaunch may reuse `env`."""
-    path = env.get(STOP_FILE)  # None: a job not launched by torchrun() (run.sh, say)
-    if not path or not os.path.exists(path):
-        return returncode
-    code = int(Path(path).read_text())
-    os.unlink(path)
-    return code
-
-
 def has_shutdown_timeout():
     """Whether this torch's torchrun takes --shutdown-timeout (2.14 does; 2.11 does not: its agent
     SIGKILLs the workers 30 s after it passes a signal on). Read from its source: torch not imported."""
@@ -166,31 +138,6 @@ def grace_for(run_dir):
     return max(30, int(3 * slowest + 1))
 
 
-def start(cmd, env, log):
-    """Start a job in a session of its own (so that a hung one can be killed whole), its output going
-    to the file `log`: a pipe nobody reads while the job runs would fill up and stall it."""
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.log, proc.env = Path(log), env
-    return proc
-
-
-def finish(proc, deadline):
-    """Wait for a job from start() until the deadline; one still running then is hung: kill its whole
-    process group (a SIGSTOPped worker included). Returns (exit code or None, output, hung); the
-    code of a deliberate stop, not torchrun's 0 (exit_code())."""
-    try:
-        proc.wait(timeout=max(1, deadline - time.time()))
-        hung = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        hung = True
-    code = exit_code(proc.returncode, proc.env)
-    return None if hung else code, proc.log.read_text(errors="replace"), hung
-
-
 def problems(run_dir, code, output, restarts=0):
     """What is wrong with a finished job that should have exited 0 after exactly `restarts` torchrun
     restarts ([] if nothing). torchrun's restarts hide failures: a job that crashed and resumed still
@@ -208,45 +155,6 @@ def problems(run_dir, code, output, restarts=0):
     if restarts == 0 and "Traceback" in output:
         wrong.append("a Traceback in the output of a job that should have run clean")
     return wrong
-
-
-def children(parent):
-    """{pid: the environment it started with} of the processes whose parent is `parent`."""
-    found = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found[int(proc.name)] = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0")
-                                             if "=" in v)
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return found
-
-
-def workers(agent_pid, attempt=None):
-    """{rank: pid} of the workers torchrun's agent runs in `attempt` (its children, by their environment;
-    attempt None: whatever their attempt)."""
-    return {int(env["RANK"]): pid for pid, env in children(agent_pid).items()
-            if "RANK" in env and (attempt is None or env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt))}
-
-
-def kill_node(agent):
-    """Lose a node whole, as a power cut would: SIGKILL its launcher (torchrun's agent, or a --survivors
-    supervisor: a process from start()) and the workers it runs. They are found first: both start them
-    in sessions of their own, so killing the launcher's process group alone would leave them training.
-    Returns their pids."""
-    found, todo = [], [agent.pid]
-    while todo:  # every descendant (under run.sh: harness.launch, then the launcher, then its workers)
-        kids = list(children(todo.pop()))
-        found += kids
-        todo += kids
-    for kill, pid in [(os.killpg, agent.pid), *((os.kill, pid) for pid in found)]:
-        try:
-            kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # ended meanwhile
-            pass
-    agent.wait()
-    return found
 
 
 def load_script(path):
@@ -302,13 +210,18 @@ def preflight(script, worlds, flags, local_world=None, job=None):
 
 
 def survivors_layout(flags):
-    """(--survivors, --spares, --hang-timeout-s) of a job's flags, read without importing its script."""
+    """(--survivors, --spares, --hang-timeout-s) of a job's flags, read without importing its script. One it
+    cannot read (--spares abc, --survivors=yes) gives the defaults: the script's own check refuses it, in
+    its one line (the preflight; each worker without it), where this parser would print its usage."""
     import argparse
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--survivors", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--hang-timeout-s", type=float, default=15.0)
-    known, _ = parser.parse_known_args(flags)
+    try:
+        known, _ = parser.parse_known_args(flags)
+    except argparse.ArgumentError:
+        return False, 0, 15.0
     return known.survivors, known.spares, known.hang_timeout_s
 
 

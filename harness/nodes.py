@@ -23,7 +23,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from harness.launch import REPO
+from harness.procs import REPO
 
 SUBNET = "10.200.0"  # node k is SUBNET.(10 + k)
 PORT = 29500  # the job's endpoint on node 0: each node has ports of its own, so no other program holds it

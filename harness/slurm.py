@@ -18,7 +18,6 @@ rest comes as sbatch options (--nodes, --cpus-per-task, --chdir, --output). Each
 Prints a table of the checks and their times; exits 1 if one failed (one line each), 0 if all passed,
 2 if Slurm cannot be set up here (one line). Everything it starts is stopped and removed however it ends.
 """
-import argparse
 import json
 import os
 import re
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.launch import REPO  # noqa: E402
+from harness.procs import REPO  # noqa: E402
 from harness.metrics import Watch  # noqa: E402
 from harness.nodes import Cluster, can_make_nodes, sh  # noqa: E402
 

@@ -10,14 +10,14 @@ import subprocess
 import threading
 import time
 
-from harness.launch import dies_with_parent
+from harness.procs import dies_with_parent
 from harness.warm import READY_S, Forked, WarmParent
 from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD, claim_of,
                              in_network_namespace, vacancy_of)
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
-STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20
-STORE_LOST_S = 30  # a node whose beat has not reached the store for this long (at least 4 fence_s) leaves the job  # a stopped rank is fenced after 20 of its steps, at least 1 s
+STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
+STORE_LOST_S = 30  # a node whose beat has not reached the store for this long (at least 4 fence_s) leaves the job
 
 
 def serve_store(host, port=0, timeout_s=300):

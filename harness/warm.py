@@ -42,7 +42,7 @@ import time
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_GET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 16, 36  # (linux/prctl.h)
 NAME = b"ft-warm-parent"
 # What a --survivors process imports later, in the modules of the tiers it opens (ddp/train.py, fsdp/train.py).
-TIERS = ("tiers.survivors", "tiers.snapshot", "tiers.replica", "tiers.faults", "tiers.light")
+TIERS = ("tiers.survivors", "tiers.shm", "tiers.snapshot", "tiers.replica", "tiers.faults", "tiers.light")
 
 
 def prctl(option, value):
@@ -162,7 +162,7 @@ class WarmParent:
 
     def __init__(self, cmd, env, pass_fds=()):
         import subprocess
-        from harness.launch import dies_with_parent
+        from harness.procs import dies_with_parent
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen(dies_with_parent([cmd[0], __file__, str(theirs.fileno()), *cmd[1:]], signal.SIGKILL),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tabulate import tabulate  # noqa: E402
 
-from harness import launch  # noqa: E402
+from harness import launch, procs  # noqa: E402
 from harness.s3server import S3Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def events(run_dir, name):
 def job(script, run_dir, flags, env):
     cmd, env = launch.torchrun(script, 2, run_dir, flags, env=env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    wrong = launch.problems(run_dir, launch.exit_code(proc.returncode, env), proc.stdout + proc.stderr)
+    wrong = launch.problems(run_dir, procs.exit_code(proc.returncode, env), proc.stdout + proc.stderr)
     if wrong:
         sys.exit(f"archive_bench: {script} {' '.join(map(str, flags))}: {'; '.join(wrong)}\n{proc.stderr[-3000:]}")
     return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.config import parse_config  # noqa: E402
-from harness import launch  # noqa: E402
+from harness import launch, procs  # noqa: E402
 from harness.metrics import Watch  # noqa: E402
 
 # A small, fast job: most of a test's time is process start-up (import torch), not training.
@@ -38,7 +38,7 @@ def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout
     cmd, env = launch.torchrun(script, nproc, run_dir, flags, max_restarts=max_restarts,
                                env={**(env or {}), "FT_FAULTS": faults})
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    proc.returncode = launch.exit_code(proc.returncode, env)  # a deliberate stop's code, as run.sh reports it
+    proc.returncode = procs.exit_code(proc.returncode, env)  # a deliberate stop's code, as run.sh reports it
     if check:
         wrong = launch.problems(run_dir, proc.returncode, proc.stdout + proc.stderr, restarts)
         assert not wrong, f"{' '.join(cmd)}\n{'; '.join(wrong)}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

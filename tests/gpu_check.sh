@@ -144,7 +144,8 @@ for layout in "${layouts[@]}"; do
   log "survivors on $device: $n ranks, $spares spare: a SIGKILL after step 20, a SIGSTOP after step 40"
   timeout 600 python3 - "$R/survivors-$n" "$n" "$spares" "$device" "$SMALL" <<'PY' || failed+=("survivors, $n ranks on $device")
 import json, os, signal, sys
-from harness.launch import finish, problems, start, survivors_job, torchrun
+from harness.launch import problems, survivors_job, torchrun
+from harness.procs import finish, start
 from harness.metrics import Watch, events
 run, n, spares, device, preset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 flags = ["--preset", preset, "--steps", 80, "--save-every", 40, "--batch-size", 4 * n, "--device", device,

@@ -4,10 +4,14 @@ its own. rpc/ps.py's archive: tests/test_rpc.py's reference job."""
 import dataclasses
 import functools
 import hashlib
+import io
 import json
+import os
 import re
 import shutil
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -16,11 +20,14 @@ import torch
 
 from common.checkpoint import param_digest
 from common.model import ModelConfig, Transformer
+from common.config import parse_config
 from conftest import DROPOUT, FOUR_RANKS_ARCHIVE, REPO, SMALL, metrics, refused, run_sh, summary, torchrun
-from harness import launch
+from harness import launch, procs
 from harness.metrics import Watch
 from harness.s3server import BUCKET, client
+from tiers import archive
 from tiers.archive import ASIDE
+from tiers.snapshot import default_dir
 
 
 @pytest.fixture
@@ -56,7 +63,7 @@ SAVES = list(range(25, 401, 25))
 def long_job(tmp_path_factory, s3):
     run = tmp_path_factory.mktemp("archive-long") / "run"
     cmd, env = launch.torchrun("ddp/train.py", 1, run, FLAGS, env={**s3.env, "FT_ARCHIVE_CRASH_AT_STEP": "50"})
-    job, watch = launch.start(cmd, env, run.parent / "job.log"), Watch(run)
+    job, watch = procs.start(cmd, env, run.parent / "job.log"), Watch(run)
     try:
         assert watch.first("archive", job), "the job ended before its first archive"
         s3.stop(crash=True)
@@ -65,7 +72,7 @@ def long_job(tmp_path_factory, s3):
     finally:
         s3.start()
     up_since = time.time()
-    code, output, hung = launch.finish(job, time.time() + 240)
+    code, output, hung = procs.finish(job, time.time() + 240)
     assert not launch.problems(run, code, output), output[-3000:]
     return run, output, failed, up_since
 
@@ -207,6 +214,58 @@ def test_the_archive_is_refused_in_one_line_before_any_worker_starts(tmp_path, s
     done = run_sh("ddp", 2, *run, "--archive", "s3://nosuch/x", env=s3_env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "bucket nosuch does not exist" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_job_refused_over_a_damaged_archive_leaves_nothing_in_dev_shm(s3, tmp_path):
+    # N6: the archive's only step is damaged (its object shorter than its marker says), so the job stops at
+    # its resume (exit 2, "never a fresh start over the archive"), after the memory tier has opened: the
+    # tier's folder is made by its first snapshot, so none is left behind.
+    module = launch.load_script(REPO / "ddp/train.py")
+    config = dataclasses.asdict(parse_config(module.Config, module.check, [*map(str, SMALL)]))
+    plant_marker(s3.client(), "damaged", 4, "step-00000004.pt", {"step-00000004.pt": (b"x" * 10, 1000)},
+                 objects=[("step-00000004.pt", b"x" * 10)], config=config)
+    run = tmp_path / "run"
+    out = torchrun("ddp/train.py", 1, run, *SMALL, "--archive", "s3://ckpt/damaged", env=s3.env, check=False)
+    assert out.returncode == 2 and "never a fresh start over the archive" in out.stderr, out.stderr[-2000:]
+    assert default_dir(run).name.endswith((run / "ckpt" / "run-id").read_text()[:16])  # the run's own folder
+    assert not default_dir(run).exists()
+
+
+def test_an_upload_to_a_store_that_stops_answering_is_cut_off_in_one_line_and_retried(s3, s3_env, tmp_path,
+                                                                                      monkeypatch, capsys):
+    # N4: the store stops (SIGSTOP) as the uploader starts to send a file. Its request then waits for the
+    # store's "100 Continue", which no read timeout bounds; the file's deadline cuts it off in one line, the
+    # uploader tries again, and the step is archived whole once the store answers again, its marker last.
+    monkeypatch.setattr(archive, "STALL_S", 2)
+    monkeypatch.setitem(archive.CLIENT_CONFIG, "read_timeout", 2)  # the retries' requests while it is stopped
+    path = tmp_path / "step-00000007.pt"
+    path.write_bytes(os.urandom(4 << 20))
+    fs, stopped = archive.filesystem(), []
+    put = fs.put_file
+
+    def stop_the_store_first(*args, **kwargs):
+        if not stopped:
+            os.kill(s3.proc.pid, signal.SIGSTOP)
+            stopped.append(True)
+        return put(*args, **kwargs)
+
+    fs.put_file, results = stop_the_store_first, io.StringIO()
+    again = threading.Timer(8, os.kill, (s3.proc.pid, signal.SIGCONT))
+    again.start()
+    try:
+        done = archive.attempt(fs, "s3://ckpt/stalled", {"step": 7, "path": str(path), "config": {}}, results)
+    finally:
+        again.cancel()
+        os.kill(s3.proc.pid, signal.SIGCONT)
+    assert results.getvalue(), f"the upload waited for the store in silence ({done})"
+    first = json.loads(results.getvalue().splitlines()[0])
+    assert re.fullmatch(r"TimeoutError: step-00000007.pt not stored in \d s: the store stopped answering, or is "
+                        r"slower than 8 MiB/s", first["failed"]), first
+    err = capsys.readouterr().err
+    assert f"archive: step 7: attempt 1 failed ({first['failed']}); again in 1 s\n" in err, err
+    assert done["attempts"] >= 2 and done["bytes"] == 4 << 20
+    assert marked(s3.client(), "stalled") == [7]
+    assert s3.client().cat_file(f"{BUCKET}/stalled/step-00000007/step-00000007.pt") == path.read_bytes()
 
 
 def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, fsdp_four_ranks, s3):

@@ -21,8 +21,9 @@ from common.rundir import lock_run_dir
 from common.config import parse_config
 from tiers.snapshot import default_dir
 from tiers.tokens import write_tokens
-from harness import launch
-from harness.launch import free_port, load_script
+from harness import launch, procs
+from harness.launch import load_script
+from harness.procs import free_port
 from conftest import (DROPOUT, LONG, LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, run_sh, summary,
                       torchrun, wait_for_step)
 
@@ -396,13 +397,13 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     # even with a rendezvous endpoint (the README's Slurm file sets one) and a host name that resolves
     # to the network address.
     cmd = named_on_the_network(["bash", "run.sh", "ddp", "2", "--run-dir", run_dir, *flags], tmp_path)
-    proc = launch.start(cmd, {**os.environ, "RDZV_ENDPOINT": f"{socket.gethostname()}:{free_port()}"},
+    proc = procs.start(cmd, {**os.environ, "RDZV_ENDPOINT": f"{socket.gethostname()}:{free_port()}"},
                         tmp_path / "preempted.log")
     assert wait_for_step(run_dir, 20, proc), "the job ended before step 20: the signal never fired"
     sockets = listening(proc.pid)
     assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     proc.send_signal(signal.SIGUSR1)
-    code, output, hung = launch.finish(proc, time.time() + 60)
+    code, output, hung = procs.finish(proc, time.time() + 60)
     assert code == 143 and not hung, output[-3000:]  # preempted: a scheduler's script requeues on it
     preempted = metrics(run_dir, 0, "preempted")
     assert len(preempted) == 1 and 20 <= preempted[0]["step"] < 120, output[-3000:]

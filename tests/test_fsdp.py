@@ -9,7 +9,7 @@ import torch
 
 from common.checkpoint import checkpoints, param_digest
 from common.model import ModelConfig, Transformer
-from harness import launch
+from harness import launch, procs
 from harness.metrics import events, training_peaks
 from conftest import DROPOUT, PEAK_TFLOPS, SMALL, metrics, refused, summary, torchrun
 
@@ -133,7 +133,7 @@ def test_a_full_disk_during_an_async_save_is_one_line_and_exit_3(tmp_path, fsdp_
     run_dir = copy_run(fsdp_reference, tmp_path / "run")
     cmd, env = launch.torchrun(SCRIPT, 2, run_dir, [*SMALL, *DROPOUT, "--steps", 24, "--async-save"], max_restarts=3)
     limited = ["bash", "-c", 'trap "" XFSZ; ulimit -f 20; exec "$@"', "bash", *cmd]  # SIGXFSZ ignored: EFBIG
-    code, output, hung = launch.finish(launch.start(limited, env, log=tmp_path / "run.log"), time.time() + 120)
+    code, output, hung = procs.finish(procs.start(limited, env, log=tmp_path / "run.log"), time.time() + 120)
     assert code == 3 and not hung and "Traceback" not in output, output[-3000:]
     assert output.count("error: saving step 20 failed (File too large): the checkpoints of earlier steps are kept") == 1
     assert [s for s, _ in checkpoints(run_dir / "ckpt")] == [16, 12, 8]  # step 20 never committed

@@ -13,8 +13,9 @@ from common.checkpoint import param_digest
 from common.data import lr_at
 from common.model import Transformer, model_config
 from common.monitor import Monitor
-from harness import launch
-from harness.launch import load_script, workers
+from harness import launch, procs
+from harness.launch import load_script
+from harness.procs import workers
 from harness.metrics import Watch, final_history
 from conftest import LOOPBACK, REPO, SMALL, listening, metrics, named_on_the_network, refused, summary, torchrun
 from rpc.server import ParameterServer
@@ -58,7 +59,7 @@ def start_job(run_dir, nproc, *flags, wrap=lambda cmd: cmd, faults=""):
     """The job under torchrun (its command line through `wrap`, its FT_FAULTS `faults`), in the background,
     once its worker processes exist: (process, {rank: pid})."""
     cmd, env = launch.torchrun("rpc/ps.py", nproc, run_dir, [*SMALL, *flags], env={"FT_FAULTS": faults})
-    proc = launch.start(wrap(cmd), env, log=f"{run_dir}.log")
+    proc = procs.start(wrap(cmd), env, log=f"{run_dir}.log")
     pids = {}
     while len(pids) < nproc and proc.poll() is None:
         pids = workers(proc.pid, attempt=0)
@@ -94,7 +95,7 @@ def test_server_and_trainer_crashes_restart_the_job(tmp_path, reference, kill_at
     sockets = listening(proc.pid)
     assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     os.kill(trainer_2, signal.SIGKILL)
-    code, output, _ = launch.finish(proc, time.time() + 120)
+    code, output, _ = procs.finish(proc, time.time() + 120)
     assert launch.problems(run_dir, code, output, restarts=2) == [], output[-4000:]
     assert "injected crash: server after step 6" in output
     s = summary(run_dir)
@@ -116,7 +117,7 @@ def test_lost_trainers_are_dropped_and_the_job_ends_without_them(tmp_path, kill_
     os.kill(pids[2], signal.SIGSTOP)
     shutdown = watch.first("shutdown", proc, time.time() + straggler_s + 30)
     assert shutdown is not None, "the server waited for the frozen trainer"
-    code, output, hung = launch.finish(proc, time.time() + 60)
+    code, output, hung = procs.finish(proc, time.time() + 60)
     assert not hung and launch.problems(run_dir, code, output, restarts=0) == [], output[-4000:]
     elapsed = time.monotonic() - t0
     assert f"trainers [2] still running {straggler_s}.0 s after the end: killed" in output
@@ -344,7 +345,7 @@ def async_job(tmp_path_factory, request):
     trainer_1 = workers(proc.pid, attempt=1)[1]  # looked up now: a step of this job takes milliseconds
     assert watch.first("step", proc, deadline, min_step=18)  # the first run never got past 11
     os.kill(trainer_1, signal.SIGKILL)
-    code, output, _ = launch.finish(proc, time.time() + 120)
+    code, output, _ = procs.finish(proc, time.time() + 120)
     assert launch.problems(run_dir, code, output, restarts=2) == [], output[-4000:]
     return run_dir, output, metrics(run_dir, 0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import launch
+from harness import launch, procs
 from conftest import REPO
 
 
@@ -91,6 +91,19 @@ def test_a_bad_launch_setting_is_one_line_before_anything_starts(env, line):
     assert proc.returncode == 2 and proc.stderr.startswith(f"run.sh: {line}") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--spares", "abc"], "argument --spares: invalid int value: 'abc' (see --help)"),
+    (["--survivors=yes"], "argument --survivors/--no-survivors: ignored explicit argument 'yes' (see --help)"),
+])
+def test_a_survivors_flag_the_launcher_cannot_read_is_the_scripts_one_line(tmp_path, flags, line):
+    # The launcher reads --survivors and --spares before the preflight: a value it cannot read is left to the
+    # script's check, whose line names the script, not a usage block of the launcher's three flags (audit N5).
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(tmp_path / "run"), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == f"ddp/train.py: error: {line}\n", proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigkill(tmp_path):
     assert launch.grace_for(tmp_path) == 30  # nothing measured yet: torchrun's own 30 s
     events = [{"event": "step", "step": 1, "step_s": 0.1}, {"event": "save", "step": 50, "total_s": 4.2},
@@ -101,7 +114,7 @@ def test_a_preempted_job_gets_three_times_its_slowest_save_before_torchruns_sigk
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
     # torch 2.14's torchrun has the flag, 2.11's does not (its agent waits 30 s, always).
     assert ("--shutdown-timeout=44" in cmd) == launch.has_shutdown_timeout()
-    assert launch.exit_code(0, env) == 0  # no worker left a stop's code
+    assert procs.exit_code(0, env) == 0  # no worker left a stop's code
 
 
 @pytest.mark.parametrize("layout", ["torchrun", "survivors"])
@@ -115,7 +128,7 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path, layout):
     run = tmp_path / "run"
     cmd = ["bash", str(REPO / "run.sh"), "ddp", "2", "--run-dir", str(run), *SMALL, "--steps", "100000",
            "--save-every", "100000", *(["--survivors", "--spares", "1"] if layout == "survivors" else [])]
-    proc, tree = launch.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
+    proc, tree = procs.start(cmd, {**os.environ, "NNODES": "1:1"}, tmp_path / "job.log"), set()
     try:
         assert wait_for_step(run, 5, proc), "the job ended before step 5"
         sockets = listening(proc.pid)

@@ -7,7 +7,7 @@ import shutil
 import signal
 import time
 
-from harness.launch import finish
+from harness.procs import finish
 from harness.metrics import Watch, phases
 from conftest import LONG, SMALL, metrics, summary, torchrun, wait_for_step
 

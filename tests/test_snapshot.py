@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from tiers import snapshot
+from tiers import shm, snapshot
 from common.checkpoint import param_digest, rng_state
 
 CONFIG = {"seed": 0, "dim": 8}
@@ -52,7 +52,7 @@ def state_digest(model, optimizer):
 def snapshots(folder, model, optimizer, run="run-a", world=1, check=lambda record: None):
     """A rank's tier of `model` and `optimizer`, as open_tier makes it: one process that writes, or one
     that restarted and reads."""
-    assert snapshot.private_folder(folder) is None
+    assert shm.private_folder(folder) is None
     return snapshot.Snapshots(folder, run, 0, range(0, 1), 1, {"world_size": world, "config": CONFIG}, model,
                               optimizer, check)
 

@@ -15,7 +15,7 @@ from torch.distributed import TCPStore
 
 from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
                       torchrun, wait_for_step)
-from harness import launch
+from harness import launch, procs
 from harness.metrics import Watch
 from tiers.survivors import HANG_AT_CLAIM, PROCESS_BYTES, available_memory
 
@@ -28,11 +28,11 @@ def survivors_run(run_dir, *flags, nproc=2, spares=0, script=SCRIPT, timeout=240
     `wrap(command)`: the command that runs the launcher's; `while_running(proc)`: a look at it as it runs;
     `faults`: its FT_FAULTS (tiers/faults.py)."""
     cmd, job_env = launch.survivors_job(script, nproc, run_dir, flags, spares)
-    proc = launch.start(wrap(cmd) if wrap else cmd, {**job_env, **(env or {}), "FT_FAULTS": faults},
-                        run_dir / "job.log")
+    proc = procs.start(wrap(cmd) if wrap else cmd, {**job_env, **(env or {}), "FT_FAULTS": faults},
+                       run_dir / "job.log")
     if while_running:
         while_running(proc)
-    code, output, hung = launch.finish(proc, time.time() + timeout)
+    code, output, hung = procs.finish(proc, time.time() + timeout)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
     return output
 

@@ -15,11 +15,12 @@ passes, the job stops (exit 2) with nothing moved, as a run folder whose checkpo
 The endpoint and credentials are boto's own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws. No flag takes them and no line prints a key.
 
-The uploader copies the checkpoints one at a time, in the order they commit. Each failed attempt is one
-line, then a retry after 1, 2, 4 ... 30 s, for as long as the job runs; at its end the job waits up to
---timeout-s for the last one. Meanwhile keep-K deletes no checkpoint that is not archived yet
-(Archive.held): a store that stays unreachable keeps them all in the run folder, until a save finds
-the disk full and stops the job (exit 3, every checkpoint kept).
+The uploader copies the checkpoints one at a time, in the order they commit. Each failed attempt (a file
+past its deadline, as when the store stops answering, is one) is one line, then a retry after 1, 2, 4 ...
+30 s, for as long as the job runs; at its end the job waits up to --timeout-s for the last one.
+Meanwhile keep-K deletes no checkpoint that is not archived yet (Archive.held): a store that stays
+unreachable keeps them all in the run folder, until a save finds the disk full and stops the job (exit
+3, every checkpoint kept).
 """
 import hashlib
 import json
@@ -37,8 +38,13 @@ from pathlib import Path
 MARKER = "ARCHIVED.json"
 ASIDE = "unreadable"  # where damaged archived steps are moved: prefix/unreadable/step-NNNNNNNN-<time>/
 # Short timeouts and one try per call: the uploader retries itself, with a line each time; s3fs's own five
-# retries of a dead endpoint would hide it for half a minute (FACTS.md).
+# retries of a dead endpoint would hide it for half a minute.
 CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 1}}
+# aiohttp starts a request's read timeout only once its body is sent, and bounds neither the sending nor the
+# wait for the "100 Continue" that botocore asks for first: a store that stops answering during an upload
+# would hold it, in silence, for as long as it stays so. So each file's upload has a deadline: STALL_S, plus
+# its bytes at SLOWEST_BPS times the attempt's number (a slower link gets through on a later attempt).
+STALL_S, SLOWEST_BPS = 30, 8 * 2**20
 FAULT = "FT_ARCHIVE_CRASH_AT_STEP"  # tests: the uploader SIGKILLs itself before step N's marker, once
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,23 +158,38 @@ def sha256(path):
 
 
 # ----------------------------------------------------------------------------- the uploader process
-def upload(fs, url, job):
-    """Copy the committed checkpoint job['path'] of step job['step'] to its prefix, the marker last.
-    Returns the bytes copied, 0 if the step was archived already (never written again)."""
+def upload(fs, url, job, tries=1):
+    """Copy the committed checkpoint job['path'] of step job['step'] to its prefix, the marker last; its
+    `tries`-th attempt. Returns the bytes copied, 0 if the step was archived already (never written again)."""
     step, path = job["step"], Path(job["path"])
     dest = f"{base(url)}/step-{step:08d}"
     if fs.exists(f"{dest}/{MARKER}"):
         return 0
+    if tries > 1:  # a file cut off by its deadline may have left a multipart upload
+        abort_dangling(fs, url)
     files = sorted(path.iterdir(), key=lambda p: (p.name == ".metadata", p.name)) if path.is_dir() else [path]
     manifest = {"step": step, "name": path.name, "files": {}, "config": job["config"]}
     for f in files:  # DCP's .metadata last of the data, so that DCP's own reader never sees a part
         manifest["files"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
-        fs.put_file(str(f), f"{dest}/{f.name}")
+        within_deadline(f.name, f.stat().st_size, tries, fs.put_file, str(f), f"{dest}/{f.name}")
     if os.environ.get(FAULT) == str(step):
         print(f"fault injection: the archive's uploader dies before step {step}'s marker", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    fs.pipe_file(f"{dest}/{MARKER}", json.dumps(manifest, indent=1).encode())
+    marker = json.dumps(manifest, indent=1).encode()
+    within_deadline(MARKER, len(marker), tries, fs.pipe_file, f"{dest}/{MARKER}", marker)
     return sum(f["bytes"] for f in manifest["files"].values())
+
+
+def within_deadline(name, nbytes, tries, call, *args):
+    """call(*args), the s3fs upload of the file `name` (`nbytes`) in the `tries`-th attempt, cancelled once
+    it runs past its deadline (see STALL_S): then a TimeoutError that says so."""
+    from fsspec.exceptions import FSTimeoutError
+    deadline_s = STALL_S + tries * nbytes / SLOWEST_BPS
+    try:
+        return call(*args, timeout=deadline_s)  # fsspec's own: the upload is cancelled, its connection closed
+    except FSTimeoutError:
+        raise TimeoutError(f"{name} not stored in {deadline_s:.0f} s: the store stopped answering, or is slower "
+                           f"than {tries * SLOWEST_BPS / 2**20:.0f} MiB/s") from None
 
 
 def abort_dangling(fs, url):
@@ -202,7 +223,7 @@ def attempt(fs, url, job, out):
     while True:
         tries += 1
         try:
-            nbytes = upload(fs, url, job)
+            nbytes = upload(fs, url, job, tries)
             return {"step": job["step"], "bytes": nbytes, "seconds": time.perf_counter() - t0, "attempts": tries,
                     "already": nbytes == 0}
         except FileNotFoundError as e:
@@ -404,12 +425,13 @@ class ArchiveTier:
         return {"archived": self.archived}
 
 
-def die_with_parent(parent):
-    """The uploader ends with the training process that started it (PR_SET_PDEATHSIG, set here rather than
-    between fork and exec, which is unsafe in a process with threads): a restarted job starts its own."""
+def end_with_trainer(trainer):
+    """Make this process, the uploader, end with the training process `trainer` that started it: the
+    kernel SIGKILLs it when `trainer` dies (PR_SET_PDEATHSIG, set by the uploader itself once it runs:
+    between fork and exec is unsafe in a process with threads). A restarted job starts its own."""
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the call
+    if os.getppid() != trainer:  # it died before the call
         sys.exit(1)
 
 
@@ -536,5 +558,5 @@ def move_aside(fs, url, step, why):
 
 
 if __name__ == "__main__":
-    die_with_parent(int(sys.argv[2]))
+    end_with_trainer(int(sys.argv[2]))
     serve(sys.argv[1])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from common.checkpoint import atomic_write
 from common.dist import wait
-from tiers.snapshot import checksum, map_file, read_checked
+from tiers.shm import checksum, map_file, read_checked
 
 
 class Replica:

@@ -15,11 +15,12 @@ of it is recorded and matches its checksum. <run> is the run's id (ckpt/run-id, 
 run), so another run's snapshots are never read; a record whose config differs is refused as a disk
 checkpoint's would be.
 
-The folder is this user's alone: open_tier makes it with mode 700 and refuses one that another user
-made or can write; every file in it is opened without following a link and checked (a regular file of
-this user's). Another local user can neither read a snapshot, plant one, nor redirect a write. A slot's
-bytes are reserved before they are written: a full tmpfs is then an error that turns the tier off,
-where a write through a mapping it cannot back would kill the process (SIGBUS).
+The folder is this user's alone: the first snapshot makes it with mode 700, and open_tier (then the
+first snapshot) refuses one that another user made or can write; every file in it is opened without
+following a link and checked (a regular file of this user's: tiers/shm.py). Another local user can
+neither read a snapshot, plant one, nor redirect a write. A slot's bytes are reserved before they are
+written: a full tmpfs is then an error that turns the tier off, where a write through a mapping it
+cannot back would kill the process (SIGBUS).
 
 The copy runs in a thread of its own while the next step's forward and backward run; the loop waits
 for it (`wait`) only before the optimizer step that would change the tensors being copied.
@@ -41,12 +42,9 @@ import dataclasses
 import datetime
 import functools
 import json
-import mmap
 import os
-import stat
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +58,7 @@ from common.checkpoint import (atomic_write, checkpoints, resume_problem, rng_fr
                                set_rng_state)
 from common.dist import PEER_LOST, agree, gather_json, print0, wait
 from common.model import SHAPE_FIELDS
+from tiers.shm import checksum, folder_problem, map_file, private_folder, read_checked
 
 FORMAT = 2  # the layout of a record (written below, read in `load`); 2: its checksum covers its layout
 ALIGN = 64  # bytes: every tensor in a .bin starts at a multiple, so that its typed view is aligned
@@ -112,8 +111,9 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     next node (tiers/replica.py), when there is one. `faults`: the tests' (tiers/faults.py), or None."""
     ids = gather_json(run_id(ckpt_dir) if dist.get_rank() == 0 else None)[:1]  # rank 0's
     folder = folder_of(cfg, ids[0])
-    # made here (it may have been made by another since the check)
-    problems = gather_json(private_folder(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
+    # Checked again here if it is there (another may have made it since the check); else the first snapshot
+    # makes it (Snapshots.make_folder), so that a job that stops before (refused by the archive) leaves nothing.
+    problems = gather_json(existing_problem(folder) if folder else "no /dev/shm (pass --snapshot-dir to choose a "
                            "folder)")
     bad = next((r for r, problem in enumerate(problems) if problem), None)
     if bad is not None:
@@ -141,6 +141,14 @@ def open_tier(cfg, ckpt_dir, model, optimizer, group, sample_fields, replicate=N
     return snapshots
 
 
+def existing_problem(folder):
+    """Why `folder`, if it is there, cannot hold this user's snapshots (folder_problem), or None."""
+    try:
+        return folder_problem(folder)
+    except FileNotFoundError:  # not made yet
+        return None
+
+
 def run_id(ckpt_dir, make=True):
     """The run's id (rank 0 only), made with the run and bound to its checkpoint folder (its path and
     inode): deleting ckpt/ starts a new run, and so does a copy of the run folder (a fork, to try a
@@ -160,66 +168,6 @@ def run_id(ckpt_dir, make=True):
     if made_in != here and make:  # (an id of an older version, made_in "": bound to the folder it is in)
         atomic_write(path, lambda f: f.write(f"{run} {here}".encode()), mode=0o600)
     return run
-
-
-def private_folder(folder):
-    """Make `folder` (mode 0700) unless it is there; then why it cannot hold this user's snapshots
-    (folder_problem), or None."""
-    try:
-        Path(folder).parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(folder, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"--snapshot-dir {folder}: cannot make it ({e.strerror})"
-    return folder_problem(folder)
-
-
-def folder_problem(folder):
-    """Why the existing `folder` cannot hold this user's snapshots, or None. Another local user who made
-    it, or who can write in it, could read them, plant files to be restored as this run's, or plant
-    links that a write would follow; one who can write its parent (without the sticky bit that /dev/shm
-    has) could swap it for another."""
-    st, parent = os.lstat(folder), os.stat(Path(folder).parent)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return (f"--snapshot-dir {folder}: not a folder of this user's alone ({stat.filemode(st.st_mode)}, uid "
-                f"{st.st_uid}; the tier needs mode 700), so its snapshots could be another's: remove it, or pass another")
-    if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
-        return f"--snapshot-dir {folder}: anyone can write its parent (no sticky bit) and so replace it: pass another"
-    return None
-
-
-def open_checked(path, flags):
-    """os.open(path) for the tier: never through a link, a file made with mode 600, checked to be a
-    regular file of this user's that no one else can write (ValueError if not)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise ValueError(f"{Path(path).name} is not a file of this user's alone")
-    return fd
-
-
-def read_checked(path):
-    with os.fdopen(open_checked(path, os.O_RDONLY), "rb") as f:
-        return f.read()
-
-
-def map_file(path, nbytes, write):
-    """The file `path` as `nbytes` uint8 in memory. write: mapped shared (a write goes to the file), made if
-    absent and its bytes reserved first: tmpfs answers a write to a page it cannot back with SIGBUS,
-    which kills the process, where posix_fallocate raises OSError (ENOSPC). Else a private view of
-    a file that must have that size (ValueError if not)."""
-    fd = open_checked(path, os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
-    try:
-        if write:
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{Path(path).name} has the wrong size")
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED if write else mmap.MAP_PRIVATE)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def local_tensors(state):
@@ -335,6 +283,7 @@ class Snapshots:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self.copying = None  # the copy in flight
         self.failed = False  # a copy failed: no more snapshots on this rank
+        self.made = False  # the folder, made (or checked again) by the first snapshot
         self.tensors = None  # the live tensors copied at each snapshot, found at the first
         self.nbytes = None  # of a slot's .bin (the group's copy), known at the first
         self.maps = {}  # slot -> the group's .bin, mapped as uint8
@@ -440,6 +389,7 @@ class Snapshots:
         payload, error = b"", None
         if not self.failed:
             try:
+                self.make_folder()
                 payload = self._copy(step, rng, crash_midway)
             except Exception as e:  # still exchange (an empty record), then report it
                 error = e
@@ -447,6 +397,15 @@ class Snapshots:
             self.replica.exchange(payload, self.maps[self.slot(step)][0] if payload else None)
         if error is not None:
             raise error
+
+    def make_folder(self):
+        """Make the folder (mode 0700) at the first snapshot, or check it again if another rank has; one
+        that is not this user's alone fails the copy (OSError)."""
+        if not self.made:
+            problem = private_folder(self.folder)
+            if problem:
+                raise OSError(problem)
+            self.made = True
 
     def _copy(self, step, rng, crash_midway):
         slot = self.slot(step)
@@ -602,12 +561,6 @@ class Snapshots:
             self.folder.rmdir()
         except OSError:  # another run's snapshots are still there, or another rank removed it first
             pass
-
-
-def checksum(part, entries):
-    """CRC32 of a part of a slot's bytes (uint8) and of the layout that gives them their meaning (names,
-    dtypes, shapes, offsets): a record whose offsets were changed must not restore other weights."""
-    return zlib.crc32(json.dumps(entries).encode(), zlib.crc32(part.numpy()))
 
 
 def part(entries, nbytes, index, count):
