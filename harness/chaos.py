@@ -10,39 +10,40 @@
 This file draws the plan, runs the soak and prints its tables. The fault kinds and how each fires are
 in chaos_faults.py, those on real nodes in chaos_nodes.py, one trial and its verdict in chaos_judge.py.
 
-Faults (FAULTS, one FaultKind each), each at a step drawn at random, never at a moment in time, so that it always lands
-in training however fast the machine is: SIGKILL, SIGTERM (a preempted worker) or SIGSTOP (a hung
-one: its peers' collectives time out, torchrun stops the job and restarts it) sent to a random
-worker a random fraction of a step after the job completed that step; --crash-at-step on a random
-rank; --crash-in-save; --crash-in-snapshot (halfway through a memory snapshot); two faults in one job (a crash, then a SIGKILL at a step drawn from those
-left after the resume); the newest checkpoint damaged between two launches (damage-newest), or
-unreadable only until the relaunch has chosen where to resume (transient-read); a crash while an
-async save is in flight; a node lost whole (node-lost: an elastic job, --nnodes 1:2, of two torchrun
-agents with --ranks workers each; one agent and its workers SIGKILLed, the other goes on alone); a
-preemption (preempt: SIGTERM to the torchrun agent, which passes it on; the workers save the step in
-progress and exit, and the job is launched again); the run folder lost (disk-lost: --archive to a
-local S3 server, harness/s3server.py; a first launch killed whole once a checkpoint is archived, its
-folder deleted: the job resumes from the archive). The first trials take every kind once, then
-kinds are drawn at random. The --survivors strategies (ddp-survivors with a spare, fsdp-survivors with a
-cold replacement) take the faults that kill or freeze a process: sigkill, sigstop, crash-at-step,
-crash-in-save, crash-in-snapshot; and their own: two-at-once (two ranks SIGKILLed together, of 3),
-spare-killed (the spare SIGKILLed, then a rank), replacement-killed (a rank SIGKILLed, then the
-process that takes its place, as it joins), node-lost (two nodes of --ranks each, node 1 lost whole:
-node 0's spare takes its ranks; those left to no spare wait for a new node 1, started with an empty
-memory; the job keeps its size). Their trials also fail if a survivor's process started again.
-With --nodes, the kinds on real nodes (harness/nodes.py, chaos_nodes.py): a node killed whole,
-cut off shorter and longer than --hang-timeout-s, node 0 (rank 0 and the job's store) cut off, a lossy
-link, two nodes lost one after the other; for torchrun (c10d) and --survivors.
+Faults (chaos_faults.FAULTS, one FaultKind each), each at a step drawn at random, never at a moment in
+time, so that it always lands in training however fast the machine is: SIGKILL, SIGTERM (a preempted
+worker) or SIGSTOP (a hung one: its peers' collectives time out, torchrun stops the job and restarts it)
+sent to a random worker a random fraction of a step after the job completed that step; a crash injected
+from inside (the job's FT_FAULTS, tiers/faults.py) after a step on a random rank (crash-at-step), while
+a save is written (crash-in-save) or halfway through a memory snapshot (crash-in-snapshot); two faults
+in one job (a crash, then a SIGKILL at a step drawn from those left after the resume); the newest
+checkpoint damaged between two launches (damage-newest), or unreadable only until the relaunch has
+chosen where to resume (transient-read); a crash while an async save is in flight; a node lost whole
+(node-lost: an elastic job, --nnodes 1:2, of two torchrun agents with --ranks workers each; one agent
+and its workers SIGKILLed, the other goes on alone); a preemption (preempt: SIGTERM to the torchrun
+agent, which passes it on; the workers save the step in progress and exit, and the job is launched
+again); the run folder lost (disk-lost: --archive to a local S3 server, harness/s3server.py; a first
+launch killed whole once a checkpoint is archived, its folder deleted: the job resumes from the
+archive). The first trials take every kind once, then kinds are drawn at random. The --survivors
+strategies (ddp-survivors with a spare, fsdp-survivors with a cold replacement) take the faults that
+kill or freeze a process: sigkill, sigstop, crash-at-step, crash-in-save, crash-in-snapshot; and their
+own: two-at-once (two ranks SIGKILLed together, of 3), spare-killed (the spare SIGKILLed, then a rank),
+replacement-killed (a rank SIGKILLed, then the process that takes its place, as it joins), node-lost
+(two nodes of --ranks each, node 1 lost whole: node 0's spare takes its ranks; those left to no spare
+wait for a new node 1, started with an empty memory; the job keeps its size). Their trials also fail if
+a survivor's process started again. With --nodes, the kinds on real nodes (harness/nodes.py,
+chaos_nodes.py): a node killed whole, cut off shorter and longer than --hang-timeout-s, node 0 (rank 0
+and the job's store) cut off, a lossy link, two nodes lost one after the other; for torchrun (c10d) and
+--survivors.
 
-A trial passes when its fault fired, the job ended within its time bound after exactly the restarts
-its fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable
-for a while, and ended with the reference digest. After a node's loss the reference is the
-uninterrupted job's checkpoint of the step the survivor resumed from, resumed at the survivor's size;
-a preempted job must resume from the step it saved. rpc-async (the parameter server in async mode,
-whose weights depend on arrival order) is checked by its guarantees instead of a digest
-(async_problems); a trainer stopped there is not waited for: the job ends without it, its server
-kills it, and the job exits 0 (torchrun's restart that follows trains nothing). Exit code 1 if any
-trial failed.
+A trial passes when its fault fired, the job ended within its time bound after exactly the restarts its
+fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable for a
+while, and ended with the reference digest. After a node's loss the reference is the uninterrupted job's
+checkpoint of the step the survivor resumed from, resumed at the survivor's size; a preempted job must
+resume from the step it saved. rpc-async (the parameter server in async mode, whose weights depend on
+arrival order) is checked by its guarantees instead of a digest (chaos_judge.async_problems); a trainer
+stopped there is not waited for: the job ends without it, its server kills it, and the job exits 0
+(torchrun's restart that follows trains nothing). Exit code 1 if any trial failed.
 
 Recovery time, per trial and as medians per kind (harness.metrics.phases): from the fault to the
 first step trained after it, split into the wait until the new workers are launched (detection,

@@ -127,8 +127,9 @@ class Job:
     ref: Reference
     flags: list
     deadline: float
-    crash_rank: int  # --crash-rank, where the kind crashes a rank
-    crash_step: Optional[int] = None  # the step an injected crash follows (--crash-in-save: the save it dies in)
+    crash_rank: int  # where the kind crashes a rank (FT_FAULTS' rank=)
+    crash_step: Optional[int] = None  # the step an injected crash follows (crash-in-save: the save it dies in)
+    faults: str = ""  # FT_FAULTS of the job's launches (faulted()), "kind=N,...": the faults fired from inside
     damaged: Optional[int] = None  # the step of a checkpoint that must never be loaded: damaged, hidden or torn
     cmd: list = field(default_factory=list)  # torchrun's command line (node 0's) and environment
     env: dict = field(default_factory=dict)
@@ -309,23 +310,23 @@ def shorten_hang_timeouts(job):
 
 
 def crash_at_step(latest):
-    """--crash-at-step on a random rank, after a random step up to `latest`."""
+    """A crash on a random rank after a random step up to `latest`."""
     def prepare(job):
         job.crash_step = job.rng.randint(1, latest)
-        job.flags += ["--crash-at-step", job.crash_step, "--crash-rank", job.crash_rank]
+        job.faults = f"crash-at-step={job.crash_step},rank={job.crash_rank}"
     return prepare
 
 
 def crash_in_snapshot(job):
     """A crash halfway through a random step's memory snapshot, before its record: never restored."""
     job.crash_step = job.rng.randint(1, STEPS - 1)
-    job.flags += ["--crash-in-snapshot", job.crash_step, "--crash-rank", job.crash_rank]
+    job.faults = f"crash-in-snapshot={job.crash_step},rank={job.crash_rank}"
 
 
 def crash_in_save(job):
     """A crash while a random save is written, before its commit: that checkpoint must never be loaded."""
     job.damaged = job.crash_step = job.rng.randrange(SAVE_EVERY, STEPS, SAVE_EVERY)
-    job.flags += ["--crash-in-save", job.damaged]
+    job.faults = f"crash-in-save={job.damaged}"
 
 
 def first_launch_crashes(then):
@@ -335,8 +336,8 @@ def first_launch_crashes(then):
     def prepare(job):
         job.flags += NO_MEMORY_TIER.get(job.trial.strategy, [])
         job.crash_step = job.rng.randint(2 * SAVE_EVERY, STEPS - 1)
-        flags = [*job.flags, "--crash-at-step", job.crash_step]
-        first = start(*torchrun(job.script, job.trial.processes, job.run_dir, flags, max_restarts=0),
+        crash = {"FT_FAULTS": f"crash-at-step={job.crash_step}"}  # the first launch's alone
+        first = start(*torchrun(job.script, job.trial.processes, job.run_dir, job.flags, max_restarts=0, env=crash),
                       log=f"{job.run_dir}-first.log")
         code, output, _ = finish(first, job.deadline)
         if code == 0 or "injected crash" not in output or not checkpoints(job.run_dir / "ckpt"):
@@ -350,7 +351,7 @@ def lose_the_disk(job):
     once a checkpoint is archived and a step more trained; then its run folder is deleted. The job proper
     must resume from the archive. The memory tier is off: its snapshots would be loaded instead."""
     job.flags += [*NO_MEMORY_TIER.get(job.trial.strategy, []), "--archive", f"s3://{BUCKET}/{job.run_dir.name}"]
-    first = start(*torchrun(job.script, job.trial.processes, job.run_dir, job.flags, max_restarts=0),
+    first = start(*faulted(job, torchrun(job.script, job.trial.processes, job.run_dir, job.flags, max_restarts=0)),
                   log=f"{job.run_dir}-first.log")
     watch = Watch(job.run_dir)
     archived = watch.first("archive", first, job.deadline)  # logged at the save after the upload
@@ -370,11 +371,19 @@ def fetched_archived(job):
 
 
 # launch: (command, environment) of torchrun
+def faulted(job, launch):
+    """A launch of the job, (command, environment), with the job's faults in FT_FAULTS, where the scripts
+    read them (tiers/faults.py). Only the faulted job's launches have them, never a reference's."""
+    cmd, env = launch
+    return cmd, {**env, "FT_FAULTS": job.faults} if job.faults else env
+
+
 def one_node(job):
     if job.trial.strategy in SURVIVORS:  # the launcher's supervisor, with the spares the flags ask for
         spares = int(job.flags[job.flags.index("--spares") + 1]) if "--spares" in job.flags else 0
-        return survivors_job(job.script, job.trial.processes, job.run_dir, plain(job.flags), spares=spares)
-    return torchrun(job.script, job.trial.processes, job.run_dir, job.flags)
+        return faulted(job, survivors_job(job.script, job.trial.processes, job.run_dir, plain(job.flags),
+                                          spares=spares))
+    return faulted(job, torchrun(job.script, job.trial.processes, job.run_dir, job.flags))
 
 
 def plain(flags):
@@ -392,12 +401,12 @@ def two_nodes(job):
     if job.trial.strategy in SURVIVORS:
         return two_survivor_nodes(job)
     endpoint, rdzv_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
-    cmd, env = torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2", endpoint=endpoint,
-                        rdzv_id=rdzv_id, is_host=True, env=ONE_THREAD)
-    job.lost = start(*torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2",
-                               endpoint=endpoint, rdzv_id=rdzv_id, is_host=False, env=ONE_THREAD),
-                     log=f"{job.run_dir}-node1.log")
-    return cmd, env
+
+    def node(is_host):
+        return faulted(job, torchrun(job.script, job.trial.processes // 2, job.run_dir, job.flags, nnodes="1:2",
+                                     endpoint=endpoint, rdzv_id=rdzv_id, is_host=is_host, env=ONE_THREAD))
+    job.lost = start(*node(is_host=False), log=f"{job.run_dir}-node1.log")
+    return node(is_host=True)
 
 
 def two_survivor_nodes(job):
@@ -409,8 +418,9 @@ def two_survivor_nodes(job):
     flags += HANG_FLAGS_DEFAULT  # a node is found lost once silent for --hang-timeout-s
 
     def node(n, memory):
-        return survivors_job(job.script, nproc, job.run_dir, [*flags, "--snapshot-dir", f"{job.run_dir}-{memory}"],
-                             spares=spares, nnodes=2, node=n, endpoint=endpoint)
+        return faulted(job, survivors_job(job.script, nproc, job.run_dir,
+                                          [*flags, "--snapshot-dir", f"{job.run_dir}-{memory}"], spares=spares,
+                                          nnodes=2, node=n, endpoint=endpoint))
     job.lost = start(*node(1, "memory-1"), log=f"{job.run_dir}-node1.log")
     if spares < nproc:  # node 0's spares cannot take all of node 1's ranks
         job.relaunch = lambda: start(*node(1, "memory-1-new"), log=f"{job.run_dir}-node1-new.log")
@@ -650,7 +660,7 @@ FAULTS = {kind.name: kind for kind in [
     FaultKind("transient-read", restarts=0, prepare=first_launch_crashes(then=hide_newest),
               fire=put_back_once_started, fired=put_back_and_kept),
     # DDP's async write of a small job takes milliseconds: a SIGKILL from outside cannot be aimed into
-    # it (tests/test_ddp.py kills it from inside, with --crash-in-save).
+    # it (tests/test_ddp.py kills it from inside, with FT_FAULTS=crash-in-save=N).
     FaultKind("async-in-flight", lost_processes=True, strategies=("fsdp-async",), fire=kill_a_save,
               fired=killed_in_flight),
     FaultKind("node-lost", strategies=DATA_PARALLEL + SURVIVORS, nodes=2, launch=two_nodes, fire=lose_node,

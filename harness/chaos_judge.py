@@ -23,6 +23,8 @@ def run_trial(t, strategy, kind, rng, out, ref, ranks):
         kind.prepare(job)
         job.cmd, job.env = kind.launch(job)
         trial.command = " ".join(job.cmd)
+        if job.faults:  # the scripts read them from the environment
+            trial.command = f"FT_FAULTS={job.faults} {trial.command}"
         job.watch = Watch(job.run_dir, new_lines_only=True)  # not a first launch's (first_launch_crashes)
         job.proc = start(job.cmd, job.env, log=f"{job.run_dir}.log")
         kind.fire(job)

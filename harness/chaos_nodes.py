@@ -12,7 +12,7 @@ import subprocess
 import time
 
 from harness.chaos_faults import (DATA_PARALLEL, FAULTS, HANG_FLAGS_DEFAULT, MARGIN, ONE_THREAD, SAVE_EVERY, STEPS,
-                                  SURVIVORS, FaultKind, Hit, at_step, plain, resumed_reference)
+                                  SURVIVORS, FaultKind, Hit, at_step, faulted, plain, resumed_reference)
 from harness.launch import survivors_job, torchrun
 from harness.nodes import Cluster, pids_in
 from harness.procs import finish
@@ -40,10 +40,12 @@ def on_nodes(job):
 
     def command(k):
         if strategy in SURVIVORS:
-            return survivors_job(job.script, nproc, job.run_dir, plain(job.flags), spares=spares if k == 0 else 0,
-                                 nnodes=n, node=k, endpoint=job.cluster.endpoint)
-        return torchrun(job.script, nproc, job.run_dir, job.flags, nnodes=f"{1 if kind.elastic else n}:{n}",
-                        endpoint=job.cluster.endpoint, rdzv_id=job.cluster.tag, env=ONE_THREAD)
+            return faulted(job, survivors_job(job.script, nproc, job.run_dir, plain(job.flags),
+                                              spares=spares if k == 0 else 0, nnodes=n, node=k,
+                                              endpoint=job.cluster.endpoint))
+        return faulted(job, torchrun(job.script, nproc, job.run_dir, job.flags,
+                                     nnodes=f"{1 if kind.elastic else n}:{n}", endpoint=job.cluster.endpoint,
+                                     rdzv_id=job.cluster.tag, env=ONE_THREAD))
 
     def boot(k):
         cmd, env = command(k)
