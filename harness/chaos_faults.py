@@ -58,8 +58,10 @@ NO_MEMORY_TIER = {s: ["--snapshot-every", 0] for s in DATA_PARALLEL + SURVIVORS}
 POLL_S = 0.005  # how often a save's folder is looked at while waiting for its shards
 
 
+# ----------------------------------------------------------------------------- what a trial records
 @dataclass
 class Reference:
+    """The figures of an uninterrupted job, which the trials of its strategy and size are compared with."""
     digest: str
     step_s: float  # median step time of rank 0
     total_s: float  # launch to exit
@@ -69,6 +71,7 @@ class Reference:
 
 @dataclass
 class Trial:
+    """One trial's job and verdict: a row of the soak's tables and of its results.json."""
     trial: int
     strategy: str
     kind: str
