@@ -1,11 +1,13 @@
 """A short chaos soak: every fault kind once, each fired at a step of training under the real torchrun,
 each job checked against its uninterrupted reference."""
 import json
+import random
+import re
 
 import pytest
 
-from harness import chaos
-from harness.chaos import KINDS
+from harness import chaos, chaos_faults
+from harness.chaos import FAULTS, KINDS
 from conftest import run_sh
 
 # The kinds without a test of their own, each on the smallest job it allows (--ranks 1; sigstop takes
@@ -58,3 +60,34 @@ def test_bad_flag_is_one_line_and_a_folder_of_the_users_is_never_emptied(tmp_pat
         f"bash run.sh chaos: error: --out {tmp_path} holds files that chaos did not write: name a new or empty folder "
         "(see --help)")
     assert [p.name for p in tmp_path.iterdir()] == ["thesis.tex"]
+
+
+def test_the_faults_fired_from_inside_are_the_faulted_jobs_ft_faults_alone(tmp_path, monkeypatch):
+    """A kind that crashes a process from inside asks for it in the FT_FAULTS of the faulted job's
+    launches (damage-newest: its first launch's), never on a command line or in a reference's."""
+    launched = []
+    monkeypatch.delenv("FT_FAULTS", raising=False)
+    monkeypatch.setattr(chaos_faults, "start", lambda cmd, env, log: launched.append((cmd, env)))
+    monkeypatch.setattr(chaos_faults, "finish", lambda proc, deadline: (1, "", True))
+    ref = chaos_faults.Reference("digest", 0.01, 1.0, str(tmp_path / "reference"), {})
+    expected = {"crash-at-step": r"crash-at-step=\d+,rank=\d", "two-faults": r"crash-at-step=\d+,rank=\d",
+                "crash-in-snapshot": r"crash-in-snapshot=\d+,rank=\d", "crash-in-save": r"crash-in-save=\d+"}
+    for strategy in ("ddp", "ddp-survivors"):
+        for name, spec in expected.items():
+            kind, nproc = FAULTS[name], chaos_faults.processes(strategy, FAULTS[name], 2)
+            trial = chaos_faults.Trial(0, strategy, name, nproc, kind.restarts)
+            job = chaos_faults.Job(trial, "ddp/train.py", tmp_path / f"{strategy}-{name}", random.Random(0), ref,
+                                   [*chaos_faults.JOB_FLAGS, *chaos.STRATEGIES[strategy][1]], 0.0, crash_rank=1)
+            kind.prepare(job)
+            cmd, env = kind.launch(job)
+            assert re.fullmatch(spec, env["FT_FAULTS"]) and str(job.crash_step) in env["FT_FAULTS"], (name, env)
+            assert not any(str(arg).startswith("--crash") for arg in cmd), cmd
+    job = chaos_faults.Job(trial, "ddp/train.py", tmp_path / "damaged", random.Random(0), ref,
+                           list(chaos_faults.JOB_FLAGS), 0.0, crash_rank=1)
+    with pytest.raises(chaos_faults.FaultMissed):  # finish() above: the first launch did not crash
+        FAULTS["damage-newest"].prepare(job)
+    assert launched[-1][1]["FT_FAULTS"] == f"crash-at-step={job.crash_step}" and not job.faults
+    assert "FT_FAULTS" not in FAULTS["damage-newest"].launch(job)[1]  # the relaunch, the job proper
+    with pytest.raises(SystemExit):  # finish() above: the reference hung
+        chaos_faults.reference("ddp", 2, tmp_path)
+    assert "FT_FAULTS" not in launched[-1][1]
