@@ -312,7 +312,7 @@ def main(argv):
         signal.signal(sig, pass_on)
     code = exit_code(proc.wait(), env)
     # Preempted: the workers saved their step (or, cut short, left the previous commit) and exited 143;
-    # torchrun, signalled too, exits 1. A scheduler's script requeues on 143 (README: Slurm).
+    # torchrun, signalled too, exits 1. A scheduler's script requeues on 143 (docs/nodes.md: Slurm).
     sys.exit(PREEMPTED if signalled and code not in (0, 2, 3) else code)
 
 

@@ -1,4 +1,4 @@
-"""bash run.sh slurm: the README's cluster file (docs/slurm.sbatch) against a real Slurm, on real nodes.
+"""bash run.sh slurm: the cluster file of docs/nodes.md (docs/slurm.sbatch) against a real Slurm, on real nodes.
 
     bash run.sh slurm            # root: installs Debian's slurm-wlm and munge if missing
 

@@ -8,10 +8,10 @@
 #      streams), against the scripts' synchronous saves (torch.save; DCP at 8 threads) and the async save;
 #   3. crash-resume on the GPU, each against a run never crashed (digests must match): fsdp killed in its
 #      async save's upload, fsdp --compile killed while staging, ddp killed in its async write;
-#   4. ddp on the largest preset with --async-save, for the README's DDP column;
+#   4. ddp on the largest preset with --async-save, for docs/measurements.md;
 #   5. --survivors on NCCL, where there are 2 GPUs or more: a rank SIGKILLed, one SIGSTOPped.
 # Each job is launched as the tests launch it (python3 -m harness.launch), with a timeout.
-#   bash tests/gpu_check.sh                      # figures in the README's GPU table came from this
+#   bash tests/gpu_check.sh                      # the GPU figures of docs/measurements.md come from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
 #   (SURVIVORS_ON_CPU=1 runs section 5 there too)
 # OUT (default: a new folder under /tmp, printed) receives the log, both summary.json files and save_bench.json. Exit 1 if any

@@ -1,4 +1,4 @@
-# A second model, swapped in as README's "Using your own model" says: the test appends this file to a
+# A second model, swapped in as docs/model-and-data.md's "Using your own model" says: the test appends this file to a
 # copy of common/model.py, so that `Transformer` names it. Unlike the first it has its layers under
 # another name (exposed as `blocks` by a property, so they are not registered twice), an embedding tied
 # to the head, rotary position embeddings whose table is a non-persistent buffer (not in the state

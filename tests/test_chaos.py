@@ -24,7 +24,7 @@ from conftest import run_sh
 OWN_TESTS = {"node-lost", "preempt", "crash-at-step", "crash-in-save", "async-in-flight", "damage-newest",
              "two-faults", "sigkill", "disk-lost", "crash-in-snapshot"}  # the last: test_ddp.py's docstring launch
 # --survivors' own: two ranks killed together, a spare's death then a rank's, a replacement's death as it
-# joins. Only `bash run.sh chaos` runs them (the README's soak), for the suite's time (15-20 s each here).
+# joins. Only `bash run.sh chaos` runs them (docs/testing.md), for the suite's time (15-20 s each here).
 CHAOS_ONLY = {"two-at-once", "spare-killed", "replacement-killed"}
 PLAN = ["sigstop:fsdp-async", "sigterm:fsdp-async", "transient-read:fsdp-async"]
 

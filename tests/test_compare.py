@@ -13,7 +13,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     # The parameter server's and sync FSDP's columns are left out here: tests/test_rpc.py and test_fsdp.py
     # check their crashes; `bash run.sh compare 4` measures them (an async save's blocking against a sync
-    # save's too). At 2 ranks, not the README's 4: on 2 cores the jobs start in half the time.
+    # save's too). At 2 ranks, not docs/measurements.md's 4: on 2 cores the jobs start in half the time.
     proc = run_sh("compare", 2, "--quick", "--strategies", "ddp,fsdp --async-save", "--format", "markdown",
                   "--out", out, "--plot", out / "figures", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,7 +31,7 @@ def test_every_crashed_and_resumed_run_ends_with_the_uninterrupted_digest(result
         assert row["steps_replayed"] > 0 and row["recovery_s"] > 0 and row["load_s"] > 0
     # ddp's column also has the same crash under --survivors, twice: the dead rank's place taken by a new
     # process forked from the warm parent, then by a spare. Either takes a fraction of torchrun's full
-    # restart, whose new processes import torch again (ratios of one run; README: the targets).
+    # restart, whose new processes import torch again (ratios of one run; docs/measurements.md).
     ddp = results["main"]["ddp"]
     assert ddp["survivors_digests"] == "yes, yes", ddp
     for key in ("survivors_new", "survivors_spare"):
@@ -148,7 +148,7 @@ def test_goodput_kills_a_worker_and_each_faulted_job_ends_with_the_uninterrupted
 
 
 def test_goodput_bad_input_is_one_line():
-    # `bash run.sh goodput` at its defaults runs for minutes (README: its figures); its flags are checked first.
+    # `bash run.sh goodput` at its defaults runs for minutes (docs/measurements.md: its figures); its flags are checked first.
     proc = run_sh("goodput", "--steps", 5)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("bash run.sh goodput: error: --script ddp/train.py or fsdp/train.py"), proc.stderr

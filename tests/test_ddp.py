@@ -394,7 +394,7 @@ def test_a_preemption_signal_to_run_sh_saves_the_step_in_progress_and_the_relaun
     flags = LONG
     run_dir = tmp_path / "preempted"
     # A job on one machine listens on the loopback only (its stores, gloo): nobody else can reach it,
-    # even with a rendezvous endpoint (the README's Slurm file sets one) and a host name that resolves
+    # even with a rendezvous endpoint (docs/slurm.sbatch sets one) and a host name that resolves
     # to the network address.
     cmd = named_on_the_network(["bash", "run.sh", "ddp", "2", "--run-dir", run_dir, *flags], tmp_path)
     proc = procs.start(cmd, {**os.environ, "RDZV_ENDPOINT": f"{socket.gethostname()}:{free_port()}"},

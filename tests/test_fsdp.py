@@ -159,7 +159,7 @@ def test_a_shard_only_rank_peaks_in_training_at_a_fraction_of_a_ddp_rank(tmp_pat
     # and a shard-only rank's RSS then grows each step to 5.9x the full model above its baseline. With a
     # fixed mmap threshold those buffers go back to the OS when freed, and the RSS is what the rank
     # holds: its state (here 1.0x the full model) and about four unsharded blocks in flight. Measured:
-    # 1.90x (README: FSDP, memory). A DDP rank holds at least 4x: weights, gradients and AdamW's two
+    # 1.90x (docs/scripts.md: FSDP). A DDP rank holds at least 4x: weights, gradients and AdamW's two
     # moments, whole (test_compare.py checks its state against that count); it measured 8.36x.
     shape = ["--dim", 384, "--layers", 8, "--heads", 4, "--vocab", 64, "--seq-len", 16, "--batch-size", 8,
              "--steps", 3, "--save-every", 100, "--log-every", 100,

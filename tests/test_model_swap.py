@@ -1,4 +1,4 @@
-"""A team's own model, swapped in by the README's recipe, in a copy of the scripts as a user would make
+"""A team's own model, swapped in by docs/model-and-data.md's recipe, in a copy of the scripts as a user would make
 it: DDP trains it, FSDP's meta build gives it DDP's seeded weights and buffers, and a FSDP crash resumes bitwise."""
 import shutil
 

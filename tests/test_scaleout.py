@@ -153,7 +153,7 @@ def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_train
     # nobody is dead, so the same processes form the next generation (a false alarm): no process
     # replaced, the memory tier still on. (Or, now and then, TCP's retransmissions hold rank 1's report
     # of the stall back more than 2 --hang-timeout-s: node 1's supervisor fences it as frozen and its
-    # spare takes rank 1, bitwise all the same, as the README says. A recovery under loss, whose tails
+    # spare takes rank 1, bitwise all the same, as docs/survivors.md says. A recovery under loss, whose tails
     # reach its --timeout-s, is chaos's.) 40 steps after the recovery node 0 (rank 0 and the job's
     # store) is cut off until node 1 has left: one side only trains on. Node 0, finding node 1 silent,
     # gives rank 1 to its own spare; node 1 loses the store, kills its processes and exits 1, saying what

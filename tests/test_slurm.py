@@ -1,4 +1,4 @@
-"""The cluster launch file the README gives (docs/slurm.sbatch), against stand-ins for Slurm's commands
+"""The cluster launch file docs/nodes.md gives (docs/slurm.sbatch), against stand-ins for Slurm's commands
 that behave as Slurm 22.05 does: it saves the step and requeues only when Slurm does not end the job."""
 import os
 import signal

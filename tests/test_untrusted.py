@@ -137,7 +137,7 @@ def test_no_pickle_crosses_a_process_group():
     # A process that gets into a group (a rank's place taken through the job's store) can send a wrong
     # value, never run code: the scripts and tiers exchange JSON (common.dist.gather_json) or tensors,
     # never torch's object collectives, which unpickle what a peer sends. (DCP's own planning, inside
-    # torch, still exchanges pickles among the ranks that save: the README says so; rpc/ps.py is RPC,
+    # torch, still exchanges pickles among the ranks that save: docs/guarantees.md says so; rpc/ps.py is RPC,
     # which pickles by design.)
     import ast
     pickling = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",

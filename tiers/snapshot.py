@@ -31,9 +31,9 @@ resumes from memory.
 
 Its face: open_tier() once, with the model and the optimizer (the tier waits for its copy before each
 optimizer step, as a hook of the optimizer's), handed to the checkpointer, which calls its hooks
-(common/checkpointer.py): after_step starts a snapshot, restore is a resume's first rung, settle and
-regroup a survivor's recovery, preempted (a stop's step saved on disk) and finish(done) remove the
-run's snapshots. Beneath them: start(step); held(), what this rank can restore, answered locally;
+(common/checkpointer.py): after_step starts a snapshot, restore is a resume's first rung, preempted (a
+stop's step saved on disk) and finish(done) remove the run's snapshots; tiers/survivors.py calls settle
+and regroup in a survivor's recovery. Beneath them: start(step); held(), what this rank can restore, answered locally;
 restore_step(step, everyone, group), over whatever group the caller gives it; resume(), which settles
 the step over the world group and restores it; remove().
 """
