@@ -171,6 +171,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="trials run at once (a sigstop trial mostly waits)")
     p.add_argument("--out", default="runs/chaos", help="folder for the jobs and results.json")
     args = p.parse_args(argv)
+    os.environ.pop("FT_FAULTS", None)  # a trial's faults are its own (faulted()), none from the caller's shell
     strategies = args.strategies.split(",")
     kinds = args.kinds.split(",") if args.kinds else NODE_KINDS if args.nodes else KINDS
     args.trials = len(kinds) if args.trials is None else args.trials

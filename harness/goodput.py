@@ -139,6 +139,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="times each job runs, the rounds interleaved")
     p.add_argument("--plot", default="", help="a folder for goodput.png: each job's step against its wall time")
     args = p.parse_args(argv)
+    os.environ.pop("FT_FAULTS", None)  # its faults are its own kills, none from the caller's shell
     modes = [m.strip() for m in args.modes.split(",")]
     if args.script not in ("ddp/train.py", "fsdp/train.py") or args.nproc < 1 or args.steps < 100 or args.rounds < 1:
         p.error("--script ddp/train.py or fsdp/train.py, --nproc >= 1, --steps >= 100, --rounds >= 1")
