@@ -97,14 +97,16 @@ big fsdp-big fsdp/train.py --compile --async-save --steps $STEPS --save-every $(
 
 # 2. The write speeds, on the same preset and disk.
 log "save_bench --model $BIG"
+mkdir -p $R/bench
 timeout 240 python3 tests/save_bench.py --model $BIG --repeats 1 --threads 8 --dir $R/bench \
   --out "$OUT/save_bench.json" || failed+=("save_bench: exit $?")
 
 # 3. Bitwise resume on the GPU: each run killed inside an async save (rank 0, step 20) and restarted by
-# torchrun, against one never killed; the save of step 20 never commits, so each resumes from step 10.
+# torchrun, against one never killed; the save of step 20 never commits, so each resumes from step 10 (the
+# memory tier off: with it, each would resume from its snapshot of step 20, not from the disk).
 for name in fsdp fsdp-compiled ddp; do
   script=${name%-compiled}/train.py
-  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40 --async-save)
+  flags=(--preset $SMALL --steps 40 --save-every 10 --log-every 40 --async-save --snapshot-every 0)
   fault=crash-in-save=20  # FT_FAULTS (tiers/faults.py), given to the crashed run alone
   [ $name = fsdp-compiled ] && flags+=(--compile) && fault=crash-in-staging=20
   log "$name resume on $SMALL, $fault"
