@@ -7,7 +7,8 @@ this machine (a digest is comparable only on one machine), and their summary.jso
 The commit is checked out in a temporary `git worktree`, removed at the end. Each case runs through
 `bash run.sh`, as a user would: ddp, fsdp and rpc, plain, crashed with and without the memory tier,
 crashed in an async save, and under --survivors at 3 ranks with a rank killed. Every fault must fire,
-and a crashed job must also end with the digest of its uncrashed case. A commit from before FT_FAULTS
+every job restart as many times as its fault asks (torchrun's restarts hide a crash behind the right
+digest), and a crashed job must also end with the digest of its uncrashed case. A commit from before FT_FAULTS
 (tiers/faults.py) gets its faults as the fault flags the scripts had then. Exit 1 if anything differs.
 """
 import json
@@ -18,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from harness.launch import problems  # noqa: E402  (restarts as expected, no Traceback in a clean run)
+
 SMALL = ["--steps", "16", "--save-every", "4", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
          "--batch-size", "12", "--log-every", "100"]
 DROPOUT = ["--dropout", "0.1"]  # a resume is then bitwise only if each rank's RNG is restored
@@ -58,8 +62,10 @@ def run(tree, case, out):
     proc = subprocess.run(["bash", "run.sh", script, str(processes), "--run-dir", str(run_dir), *flags], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=600)
     (out / f"{case}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return None, f"exit {proc.returncode} (see {out / case}.log)"
+    restarts = 1 if faults and "--survivors" not in flags else 0  # survivors replace a process, not the job
+    wrong = problems(run_dir, proc.returncode, proc.stdout + proc.stderr, restarts)
+    if wrong:
+        return None, f"{'; '.join(wrong)} (see {out / case}.log)"
     if faults and "injected crash" not in proc.stderr:
         return None, f"its fault did not fire (see {out / case}.log)"
     return json.loads((run_dir / "summary.json").read_text())["param_digest"], ""
