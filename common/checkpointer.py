@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import checkpoints, prune
-from common.dist import PREEMPTED, print0, restarts, set_collective_timeout, wait
+from common.dist import PREEMPTED, print0, restarts, set_collective_timeout
 
 
 class BaseCheckpointer:
@@ -115,7 +115,7 @@ def young_daly_steps(save_s, step_s, mtbf_h, device):
     """(steps, save_s, step_s, seconds): the interval losing the least time, sqrt(2 x a save's cost x the mean
     time between failures) (Young 1974, Daly 2006), from the ranks' largest costs: all must choose the same."""
     measured = torch.tensor([save_s, step_s], dtype=torch.float64, device=device)
-    wait(dist.all_reduce(measured, op=dist.ReduceOp.MAX, async_op=True))
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     save_s, step_s = measured.tolist()
     seconds = math.sqrt(2 * save_s * mtbf_h * 3600)
     return max(1, round(seconds / step_s)), save_s, step_s, seconds

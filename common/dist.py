@@ -97,21 +97,7 @@ def refuse_unsafe_restarts():
              "launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (as run.sh does)")
 
 
-# ----------------------------------------------------------------------------- waits for async collectives
-waiter = None  # set by a launcher that replaces a lost process alone (see wait)
-
-
-def wait(work):
-    """Wait for an async collective's `work`. A launcher that must end the wait from another thread (gloo
-    cannot abort a collective, pytorch issue 130345) sets `waiter`: work -> the future to wait for instead."""
-    (work if waiter is None else waiter(work)).wait()
-
-
-def future_of(work):
-    """`work`'s future, or `waiter`'s (see wait), for a DDP comm hook to return."""
-    return work.get_future() if waiter is None else waiter(work)
-
-
+# ----------------------------------------------------------------------------- collectives
 def gather_json(value, group=None):
     """Every rank's `value` of `group` (default: the world), in rank order, as JSON, never a pickle: a process
     that got into the group can send a wrong value but never run code here. Tuples come back as lists."""
@@ -119,19 +105,19 @@ def gather_json(value, group=None):
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    wait(dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group, async_op=True))
+    dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group)
     longest = max(int(size) for size in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:len(data)] = data
     out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    wait(dist.all_gather(out, padded, group=group, async_op=True))
+    dist.all_gather(out, padded, group=group)
     return [json.loads(o[:int(n)].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
 def agree(ok, device, group=None):
     """True only if `ok` holds on every rank of `group`, so that all take the same branch after a failure."""
     flag = torch.tensor(int(ok), device=device)
-    wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -155,7 +141,7 @@ class StepGuard:
     def agree(self, loss):
         """(the loss averaged over the ranks, whether to save now and stop)."""
         stats = torch.stack([loss.detach().float(), torch.tensor(float(self.signalled_at is not None), device=self.device)])
-        wait(dist.all_reduce(stats, async_op=True))
+        dist.all_reduce(stats)
         return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
 
     def shorten_timeout(self, step_times):
@@ -175,20 +161,10 @@ class StepGuard:
             set_collective_timeout(self.step_timeout_s)
 
 
-_timeout_s = [300.0]  # the world's, as set_collective_timeout last set it (torch has no getter)
-
-
 def set_collective_timeout(seconds, group=None):
     """The timeout of the later collectives of `group` (default: the world), on gloo and NCCL alike."""
     setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # the name before torch 2.12
     setter(datetime.timedelta(seconds=seconds), group)
-    if group is None:
-        _timeout_s[0] = seconds
-
-
-def collective_timeout_s():
-    """The timeout of the world's collectives now."""
-    return _timeout_s[0]
 
 
 def exit_without_finalizing():
@@ -200,9 +176,9 @@ def exit_without_finalizing():
 
 # What gloo's and NCCL's errors say when a peer died or hung, which torchrun answers by a restart.
 PEER_HUNG = ("Timed out", "timed out", "timeout caused pair closure")
-PEER_LOST_NOW = "a peer was lost"  # a wait that a `waiter` ended from another thread
+GIVEN_UP = "a peer was lost and the group given up"  # a save refused its commit (abandoned)
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-             PEER_LOST_NOW, *PEER_HUNG)
+             GIVEN_UP, *PEER_HUNG)
 
 
 def torchrun_restarts(reason):
@@ -211,6 +187,12 @@ def torchrun_restarts(reason):
 
 
 after_peer_loss = torchrun_restarts  # a launcher that replaces a lost process alone sets its own
+
+
+def abandoned():
+    """Whether this process's group was given up after a peer's loss, its save never to commit (always
+    False here: a launcher whose survivors re-form the group sets its own)."""
+    return False
 
 
 @contextlib.contextmanager

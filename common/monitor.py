@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from common.dist import wait
 
 
 def local_bytes(t):
@@ -113,7 +112,7 @@ def eval_loss(model, batches, device, bf16=False):
     for module in model.modules():  # FSDP2: a no-grad forward leaves the root's gathered weights in place
         if isinstance(module, FSDPModule):
             module.reshard()
-    wait(dist.all_reduce(total, async_op=True))
+    dist.all_reduce(total)
     return total.item() / (len(batches) * dist.get_world_size()), time.perf_counter() - t0
 
 

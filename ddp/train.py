@@ -37,7 +37,7 @@ from common.checkpoint import atomic_save, atomic_write_json, newest_resume_prob
 from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail, flag_problems,
                            needs, parse_config)
 from common.data import StepData, eval_batches, lr_at
-from common.dist import (StepGuard, device_problems, exit_without_finalizing, future_of, peer_loss_in_one_line, print0,
+from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0,
                          restarts, setup, teardown)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params, num_params_of
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
@@ -160,7 +160,7 @@ class CommTimer:
     def hook(self, state, bucket):
         start = time.perf_counter()
         tensor = bucket.buffer().div_(dist.get_world_size())
-        future = future_of(dist.all_reduce(tensor, async_op=True))
+        future = dist.all_reduce(tensor, async_op=True).get_future()
         if tensor.is_cuda:
             return future.then(lambda fut: fut.value()[0])
 
@@ -252,6 +252,8 @@ def main(cfg):
                 t0 = time.perf_counter()
                 # ----------------------------------------------------------------- TRAINING SECTION BEGIN
                 optimizer.zero_grad(set_to_none=True)
+                if faults:  # crash-in-backward: this rank dies in its backward, its peers wait in DDP's reducer
+                    faults.in_backward(model, step)
                 loss = forward_backward(ddp_model, data.micro_batches(step, rank, world, cfg.grad_accum), device, bf16)
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

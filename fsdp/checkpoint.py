@@ -38,7 +38,8 @@ from common.checkpoint import (COMMIT_MARKER, atomic_save, checkpoints, fsync_di
                                step_name)
 from common.checkpointer import BaseCheckpointer
 from common.config import fail
-from common.dist import PEER_LOST, agree, gather_json, print0
+import common.dist
+from common.dist import GIVEN_UP, PEER_LOST, agree, gather_json, print0
 from common.model import SHAPE_FIELDS
 
 # The layout of a ckpt/step-NNNNNNNN/ folder (Checkpointer.write): DCP's shards of "model" and
@@ -104,7 +105,7 @@ class Checkpointer(BaseCheckpointer):
         before_commit = self.faults.in_save(step, f" into {path}: shards written, not committed") if self.faults \
             else None
         writer = Writer(path, train_pt, rng_state(), self.save_group if asynchronous else None, self.cfg.save_threads,
-                        before_commit=before_commit)
+                        before_commit=before_commit, before_write=self.faults.in_write(step) if self.faults else None)
         record = ShardedSave(step, path, t0)
         if asynchronous:  # returns at once: the copy and the write go on in threads
             # The side stream does not wait for the training stream: this step's weights must be final.
@@ -192,11 +193,18 @@ class Writer(dcp.FileSystemWriter):
     rank's RNG state `rng` goes to rank 0 there (over `group`, the one DCP saves over), so an async save
     gathers it off the training loop. DCP calls finish() on rank 0 once every rank's shards are on disk,
     to write `.metadata`, the commit: `train_pt` and the RNG states go into train.pt there, just before.
-    `before_commit` runs between the two (fault injection), as in common.checkpoint.atomic_write."""
+    `before_commit` runs between the two, `before_write` as a rank starts writing its shards (the
+    tests' faults), as in common.checkpoint.atomic_write."""
 
-    def __init__(self, path, train_pt, rng, group, thread_count, before_commit=None):
+    def __init__(self, path, train_pt, rng, group, thread_count, before_commit=None, before_write=None):
         super().__init__(path, thread_count=thread_count)
         self.train_pt, self.rng, self.group, self.before_commit = train_pt, rng, group, before_commit
+        self.before_write = before_write
+
+    def write_data(self, plan, planner):
+        if self.before_write:
+            self.before_write()
+        return super().write_data(plan, planner)
 
     def prepare_local_plan(self, plan):
         rngs = [rng_from_json(r) for r in gather_json(rng_to_json(self.rng), self.group)]
@@ -207,6 +215,8 @@ class Writer(dcp.FileSystemWriter):
         atomic_save(self.train_pt, Path(self.path) / "train.pt")
         if self.before_commit:
             self.before_commit()
+        if common.dist.abandoned():  # (--survivors) a peer was lost meanwhile: the group is over, so is its save
+            raise RuntimeError(f"{GIVEN_UP} before the commit")
         super().finish(metadata, results)
 
 

@@ -44,7 +44,7 @@ from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SH
                            needs, parse_config)
 from common.data import StepData, eval_batches, lr_at
 from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
-                         setup, teardown, wait)
+                         setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
 from common.monitor import (Monitor, eval_loss, mfu, peak_flops_problems, peak_since_reset, reset_peak, state_bytes,
@@ -156,14 +156,14 @@ def scatter_from_rank0(model, full):
             padded = torch.zeros((rows * world, *param.shape[1:]), dtype=param.dtype, device=local.device)
             padded[:param.shape[0]] = params[name].detach()
             chunks = list(padded.chunk(world))
-        wait(dist.scatter(shard, chunks, src=0, async_op=True))  # (common.dist.wait: a `waiter` may end it)
+        dist.scatter(shard, chunks, src=0)
         with torch.no_grad():
             local.copy_(shard[:local.shape[0]])
     buffers = dict(full.named_buffers()) if rank == 0 else {}
     for name, buffer in model.named_buffers():
         if rank == 0:
             buffer.copy_(buffers[name])
-        wait(dist.broadcast(buffer, src=0, async_op=True))
+        dist.broadcast(buffer, src=0)
 
 
 def build_model(cfg, mesh, device, bf16, monitor):
@@ -184,9 +184,6 @@ def build_model(cfg, mesh, device, bf16, monitor):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)  # the root: embeddings, final norm, head
-    if cfg.survivors and device.type == "cpu":  # gloo cannot abort FSDP's collectives: wait for them ourselves
-        from tiers.survivors import interruptible_collectives
-        interruptible_collectives([model, *model.blocks])
     baseline = reset_peak(device)  # sharding meta tensors allocated nothing of the model
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
     scatter_from_rank0(model, Transformer(model_config(cfg), seed=cfg.seed) if dist.get_rank() == 0 else None)
@@ -307,6 +304,8 @@ def main(cfg):
                 optimizer.zero_grad(set_to_none=True)
                 loss = forward_backward(model, data.micro_batches(step, rank, world, cfg.grad_accum), device)
                 if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
+                    if faults:  # crash-in-clip: this rank dies as its peers all-reduce the norm
+                        faults.before_clip(step)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
                 for group in optimizer.param_groups:

@@ -27,9 +27,10 @@ import time
 
 # The fault kinds each script has hooks for.
 KINDS = {
-    "ddp": ("crash-at-step", "crash-in-save", "crash-in-snapshot", "freeze-at-step", "pause-at-step", "nan-at-step"),
-    "fsdp": ("crash-at-step", "crash-in-save", "crash-in-staging", "crash-in-snapshot", "freeze-at-step",
-             "nan-at-step"),
+    "ddp": ("crash-at-step", "crash-in-save", "crash-in-snapshot", "crash-in-backward", "freeze-at-step",
+            "pause-at-step", "nan-at-step"),
+    "fsdp": ("crash-at-step", "crash-in-save", "crash-in-write", "crash-in-staging", "crash-in-snapshot",
+             "crash-in-clip", "freeze-at-step", "nan-at-step"),
     "rpc": ("crash-at-step", "crash-in-save", "drop-trainer-at-step", "nan-at-step"),
 }
 
@@ -75,9 +76,8 @@ def fault_problems(script):
 
 
 def first_attempt():
-    """True in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT is 0 or unset) and, with --survivors,
-    in the first generation of the group (a spare that takes a dead rank's place is not faulted again)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("FT_GENERATION", "0") == "0"
+    """True in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT is 0 or unset)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def crash(reason):
@@ -99,11 +99,28 @@ class Faults:
         self.crash_rank = self.at.pop("rank", -1) % world
 
     def _due(self, kind, step, previous):
-        """The step of `kind` falls in (previous, step] on the crash rank, in the first attempt; previous
+        """The step of `kind` falls in (previous, step] on the crash rank, the first time; previous
         defaults to step - 1 (the rpc trainers' steps may skip past it in async mode)."""
         at = self.at.get(kind)
         previous = step - 1 if previous is None else previous
-        return at is not None and previous < at <= step and self.rank == self.crash_rank and first_attempt()
+        return at is not None and previous < at <= step and self.rank == self.crash_rank and self._first(kind)
+
+    def _first(self, kind):
+        """Whether `kind` fires now: in torchrun's first attempt; with --survivors (FT_GENERATION set), the
+        first time in the run, marked as it fires in <run-dir>/faults-fired/<kind>, so that a process
+        that takes the dead one's rank, training its steps again, is not faulted again, while the job's
+        other faults still fire in later generations."""
+        if not first_attempt():
+            return False
+        if "FT_GENERATION" not in os.environ:
+            return True
+        mark = os.path.join(self.cfg.run_dir, "faults-fired", kind)
+        os.makedirs(os.path.dirname(mark), exist_ok=True)
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
     def poison_loss(self, loss, step):
         """nan-at-step: the loss of step N (the step after `step` completed steps) is NaN, a tensor's or a
@@ -131,9 +148,30 @@ class Faults:
     def in_save(self, step, detail=""):
         """crash-in-save: a `before_commit` hook that kills the saving process (rank 0, rpc's server) once
         the bytes of step N's checkpoint are written but not committed, or None."""
-        if self.at.get("crash-in-save") == step and first_attempt():
+        if self.at.get("crash-in-save") == step and self.rank == 0 and self._first("crash-in-save"):
             return lambda: crash(f"{self.name} while saving step {step}{detail}")
         return None
+
+    def in_write(self, step):
+        """crash-in-write (fsdp): a hook that kills the crash rank as it starts writing its shards of step
+        N (synchronous: in the save; --async-save: in the background, while training goes on), before
+        the others' commit; or None."""
+        if self._due("crash-in-write", step, None):
+            return lambda: crash(f"{self.name} while writing its shards of step {step}")
+        return None
+
+    def in_backward(self, model, step):
+        """crash-in-backward (ddp): the crash rank dies in the backward of step N (the step after `step`
+        completed ones), once its last layers' gradients are computed and while DDP's reducer all-reduces
+        them with its peers: a hook on the gradient of the model's first parameter, the embedding's."""
+        if self._due("crash-in-backward", step + 1, None):
+            next(model.parameters()).register_hook(lambda grad: crash(f"{self.name} in the backward of step {step + 1}"))
+
+    def before_clip(self, step):
+        """crash-in-clip (fsdp): the crash rank dies in step N (the step after `step` completed ones), its
+        gradients reduce-scattered, as its peers all-reduce the gradient norm to clip it."""
+        if self._due("crash-in-clip", step + 1, None):
+            crash(f"{self.name} in the gradient clipping of step {step + 1}")
 
     def in_snapshot(self, step):
         """crash-in-snapshot: a hook that kills the crash rank halfway through copying step N's memory

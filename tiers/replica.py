@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import atomic_write
-from common.dist import wait
 from tiers.shm import checksum, map_file, read_checked
 
 
@@ -42,13 +41,13 @@ class Replica:
         size = torch.zeros(1, dtype=torch.int64)
         for request in (dist.isend(torch.tensor([len(payload)]), self.partner, group=self.side),
                         dist.irecv(size, self.source, group=self.side)):
-            wait(request)
+            request.wait()
         out = torch.frombuffer(bytearray(payload + b"\0"), dtype=torch.uint8)[:len(payload)]
         incoming = torch.empty(int(size), dtype=torch.uint8)
         requests = [dist.isend(out, self.partner, group=self.side)] if len(payload) else []
         requests += [dist.irecv(incoming, self.source, group=self.side)] if len(incoming) else []
         for request in requests:
-            wait(request)
+            request.wait()
         record = json.loads(incoming.numpy().tobytes()) if len(incoming) else None
         if self.mode == "shards":
             requests = [dist.isend(shards, self.partner, group=self.side)] if len(payload) else []
@@ -59,7 +58,7 @@ class Replica:
                     self.maps[key] = map_file(self.bin_path(*key), record["nbytes"], write=True)
                 requests.append(dist.irecv(self.maps[key], self.source, group=self.side))
             for request in requests:
-                wait(request)
+                request.wait()
         if record is not None:
             data = incoming.numpy().tobytes()
             atomic_write(self.path(record["slot"]), lambda f: f.write(data), mode=0o600)
@@ -94,10 +93,10 @@ class Replica:
 
     def send_shards(self, record, to):
         """At a resume: the shards of `record`, kept here, to the rank `to` that lost its own."""
-        wait(dist.isend(self.shards(record), to, group=self.side))
+        dist.isend(self.shards(record), to, group=self.side).wait()
 
     def receive_shards(self, record, holder):
         """At a resume: this rank's shards of `record`, from the rank `holder` that kept them."""
         buf = torch.empty(record["nbytes"], dtype=torch.uint8)
-        wait(dist.irecv(buf, holder, group=self.side))
+        dist.irecv(buf, holder, group=self.side).wait()
         return buf

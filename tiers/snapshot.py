@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from common.checkpoint import (atomic_write, checkpoints, resume_problem, rng_from_json, rng_state, rng_to_json,
                                set_rng_state)
-from common.dist import PEER_LOST, agree, gather_json, print0, wait
+from common.dist import PEER_LOST, agree, gather_json, print0
 from common.model import SHAPE_FIELDS
 from tiers.shm import checksum, folder_problem, map_file, private_folder, read_checked
 
@@ -516,7 +516,7 @@ class Snapshots:
             else:
                 source = min(r for r in range(world) if step in everyone[r].usable())
                 for _, t in local_tensors((model_state, optim_state)):
-                    wait(dist.broadcast(t, source, group=group, async_op=True))
+                    dist.broadcast(t, source, group=group)
                 how = f"the model and optimizer from rank {source}"
             print0(f"memory snapshot of step {step}: ranks {needy} had none (a replaced node): their records from "
                    f"the replicas, {how}")

@@ -32,11 +32,16 @@ claim_of; one that is not the job's is ignored, in one line). The store holds:
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
 
-A survivor whose collective fails, or is ended by its watcher (Team.lost_peer), calls Team.reform: it
-leaves its group, waits for the supervisor's next generation, forms it with the newcomer, and the script
-then restores the newest step every rank holds, as a restart would, and redoes the steps after it. gloo
-cannot abort a collective: the scripts wait for theirs through common.dist.wait, whose waiter here
-(interruptible) the watcher ends, and keep the broken group until its timeout. A generation every rank
+How a survivor hears, and how its waits end: its watcher thread waits in the store for its
+generation's abort, which a supervisor writes as soon as it sees a death (or fences a frozen process,
+or finds a node lost), and so does the first rank whose collective fails. The watcher then ends the
+generation's process groups on this process (end_generation: gloo's connections closed, NCCL's groups
+aborted), so that every collective in flight raises at once, whoever issued it and in whichever
+thread it waits: the scripts', DDP's reducer, FSDP2's, DTensor's in the clipping, DCP's in a save. The
+step ends (Team.__exit__, Team.lost_peer) and Team.recover reports the loss, lets the save in flight
+end (settle: never committed after the abort), drops the groups, waits for the supervisor's next
+generation, forms it with the newcomer, and the script then restores the newest step every rank
+holds, as a restart would, and redoes the steps after it. A generation every rank
 reports lost with nobody dead (a pause, a slow link) is a false alarm: the same processes form the next.
 A frozen rank never dies: the supervisor kills a process stopped for STOPPED_STEPS of its steps (at
 least STOPPED_FLOOR_S), and, once a survivor has reported a loss, whichever rank has not reported one
@@ -65,8 +70,7 @@ import torch.distributed as dist
 
 import common.dist
 from common.config import fail
-from common.dist import (PEER_LOST, PEER_LOST_NOW, collective_timeout_s, exit_without_finalizing, keep_on_loopback,
-                         pick_device, print0, set_collective_timeout, wait)
+from common.dist import PEER_LOST, exit_without_finalizing, keep_on_loopback, pick_device, set_collective_timeout
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 NETNS = "FT_STORE_NETNS"  # one node, as root: the fd of the network namespace the job's store listens in
@@ -174,78 +178,50 @@ def claim_of(value, nnodes):
         return None
 
 
-# ----------------------------------------------------------------------------- waits the watcher can end
-# gloo cannot abort a collective (its abort() is a no-op, pytorch issue 130345) and a survivor that does
-# not talk to a dead peer waits for its timeout. So in this mode the collectives the scripts wait for
-# themselves (common.dist.wait: DDP's comm hook, agree, the object gathers) are waited through
-# interruptible(), common.dist's waiter here: interrupt(), called by the watcher (Team.watch) when the
-# job's store says a peer was lost, fails every such wait at once, and every later one until
-# resume_waits(). The work left behind ends at its own timeout, in the background.
-_waits = threading.Lock()
-_pending = {}  # future -> when its wait began
-_interrupted = [None]  # the reason, while waits are interrupted
+# ----------------------------------------------------------------------------- ending a generation's waits
+# gloo has no abort (its abort() is a no-op, pytorch issue 130345), and a survivor that does not talk to
+# the dead peer waits in its collective until the group's timeout: in the scripts' collectives, and in
+# the ones torch issues itself (DDP's reducer, FSDP2, DTensor's all-reduce in the clipping, DCP's save in
+# the main thread or its own). What ends them all is gloo's own timeout path: a receive that times out
+# closes every connection of its group's context (Context::signalException), so every collective in
+# flight on the group, or issued on it later, raises at once, in whichever thread waits, and the
+# group's gloo_tcp_loop thread goes idle. end_generation runs that receive on every gloo group of the
+# generation (the world, the async save's, the memory tier's), and aborts the NCCL ones (their abort()
+# is real). Verified on torch 2.11 and 2.14.
+_ended = threading.Lock()
+_abandoned = [None]  # why this process's generation is over, until the next one forms (Team.form)
+POISON_TAG = 0x7F7F7F  # a tag no collective of the job uses: nothing is ever sent for it
 
 
-def interruptible(work):
-    """A future that completes as the async collective `work` does, or fails at once when another thread
-    calls interrupt()."""
-    try:
-        future = work.get_future()
-    except RuntimeError:  # gloo's isend and irecv have no future, nor say when done: a thread waits
-        future = torch.futures.Future()
+def end_generation(reason):
+    """End every wait of this process on the process groups it holds (once a generation; the next call
+    returns at once): whoever issued them, they raise now, and so does any later one on those groups."""
+    with _ended:
+        if _abandoned[0] is not None:
+            return
+        _abandoned[0] = reason
+        groups = list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+        for group in (g for g in groups if dist.get_backend(g) == "gloo" and g.size() > 1):
+            close_connections(group)
+        if any(dist.get_backend(g) == "nccl" for g in groups):  # NCCL's abort ends its kernels and waits
+            dist.distributed_c10d._abort_process_group()
 
-        def wait_in_thread():
-            try:
-                work.wait()
-                future.set_result(None)
-            except Exception as e:
-                future.set_exception(e)
-        threading.Thread(target=wait_in_thread, name="wait", daemon=True).start()
-    out = torch.futures.Future()
-    with _waits:
-        reason = _interrupted[0]
-        if reason is None:
-            _pending[out] = time.monotonic()
-    if reason is not None:
-        out.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
-        return out
 
-    def complete(done):
-        with _waits:
-            if _pending.pop(out, None) is None:  # interrupted already
-                return
+def close_connections(group):
+    """Close every connection of the gloo `group` on this process: a receive from a peer, waited for 1 ms,
+    times out, and gloo then closes all the pairs of the group's context. A peer whose pair is closed
+    already (it died) answers at once with an error instead: the next one is tried."""
+    for peer in (r for r in range(group.size()) if r != group.rank()):
         try:
-            out.set_result(done.value())
-        except Exception as e:  # the collective's own error (a peer's closed socket, its timeout)
-            out.set_exception(e)
-    future.add_done_callback(complete)
-    return out
+            group.recv([torch.empty(1)], peer, POISON_TAG).wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError as e:
+            if "Timed out" in str(e):
+                return
 
 
-def interrupt(reason):
-    """Fail every interruptible wait now in progress, and every later one until resume_waits()."""
-    with _waits:
-        _interrupted[0] = reason
-        pending = list(_pending)
-        _pending.clear()
-    for future in pending:
-        future.set_exception(RuntimeError(f"{PEER_LOST_NOW}: {reason}"))
-
-
-def interrupted():
-    """Whether waits are interrupted now (interrupt() was called, resume_waits() not yet)."""
-    return _interrupted[0] is not None
-
-
-def resume_waits():
-    with _waits:
-        _interrupted[0] = None
-
-
-def oldest_wait_s():
-    """How long the oldest interruptible wait in progress has waited (0: none)."""
-    with _waits:
-        return time.monotonic() - min(_pending.values()) if _pending else 0.0
+def abandoned():
+    """Whether this process's generation is over (end_generation ran; the next one has not formed)."""
+    return _abandoned[0] is not None
 
 
 def replaced_by_supervisor(reason):
@@ -258,7 +234,7 @@ def replaced_by_supervisor(reason):
 def join(cfg):
     """(team, rank, world size, device) of this process in a --survivors job, once it holds a rank: a
     spare waits here; one still waiting when the job ends leaves here."""
-    common.dist.waiter, common.dist.after_peer_loss = interruptible, replaced_by_supervisor
+    common.dist.after_peer_loss, common.dist.abandoned = replaced_by_supervisor, abandoned
     team = Team(cfg.timeout_s, cfg.hang_timeout_s)
     joined = team.join(cfg.device)
     if joined is None:
@@ -282,10 +258,9 @@ class Team:
         # The incarnation of this node whose processes these are: node 0 may give its ranks away (lost/<i>)
         self.incarnation = self.store.add(f"node/{self.node}/incarnation", 0)
         self.lost = False  # a peer was lost in the body of `with team:`
-        self.formed = threading.Lock()  # held while a generation is formed: the watcher never interrupts the next
+        self.formed = threading.Lock()  # held while a generation is formed: the watcher never ends the next
         self.step_times, self.started = collections.deque(maxlen=50), None  # the steps of `with team:`
-        self.graveyard = []  # (when to drop them, the process groups) of the generations that failed (reform)
-        self.buried = threading.Lock()  # held while the graveyard changes
+        self.reported = None  # the generation whose loss this process reported (abandon)
 
     def join(self, device_choice):
         """Take a rank (a spare waits here for one; the first launch's processes take theirs at once),
@@ -376,8 +351,8 @@ class Team:
                     time.sleep(POLL_S)
                 gen = self.newest()
         set_collective_timeout(self.timeout_s)  # the long timeout while the state is restored
-        with self.formed:
-            resume_waits()
+        with self.formed, _ended:
+            _abandoned[0] = None
             self.gen = gen
         os.environ[GEN] = str(gen)
 
@@ -389,10 +364,10 @@ class Team:
     def watch(self):
         """The watcher thread: it waits for the abort of this process's generation (g<gen>/abort), written by
         a supervisor as soon as it sees a death, fences a frozen process or finds a node lost, and by the
-        first rank whose collective fails; it then ends at once every wait of this process on the group
-        (interrupt: DDP's all-reduce, agree, the object gathers; on NCCL the group's abort
-        ends the rest), so that every survivor recovers now, not only the dead rank's neighbours. Its
-        own store client: one blocked in wait() stalls every other call on its client."""
+        first rank whose collective fails; it then ends at once every wait of this process on the
+        generation's groups (end_generation), whoever issued it, so that every survivor recovers now, not
+        only the dead rank's neighbours. Its own store client: one blocked in wait() stalls every other
+        call on its client."""
         store = connect(self.timeout_s)
         while True:
             gen = self.gen
@@ -403,30 +378,18 @@ class Team:
                 return
             with self.formed:
                 if self.gen == gen:
-                    interrupt(f"generation {gen}: {reason}")
-                    if dist.is_initialized() and dist.get_backend() == "nccl":  # unblocks its kernels
-                        dist.distributed_c10d._abort_process_group()
+                    end_generation(f"generation {gen}: {reason}")
             while self.gen == gen:
                 time.sleep(POLL_S)
 
     def beat(self):
         """The beat thread: every BEAT_S, this rank's steps and median step (beat/<rank>), from which the
-        supervisors learn how long a step takes here; a wait on the group longer than its timeout (on
-        NCCL nothing else ends it) aborts the generation; and the broken groups of the graveyard whose
-        time has come are dropped (reform)."""
+        supervisors learn how long a step takes here (a frozen process is one stopped for many of them)."""
         while True:
             time.sleep(BEAT_S)
-            with self.buried:  # the broken groups whose collectives have all timed out go
-                now = time.monotonic()
-                gone = [g for t, g in self.graveyard if t <= now]
-                self.graveyard = [(t, g) for t, g in self.graveyard if t > now]
-            del gone
             steps = list(self.step_times)
             try:
                 self.store.set(f"beat/{self.rank}", f"{len(steps)} {statistics.median(steps) if steps else 0:.6f}")
-                waited = oldest_wait_s()
-                if waited > collective_timeout_s():
-                    self.store.compare_set(f"g{self.gen}/abort", "", f"rank {self.rank} waited {waited:.1f} s")
             except dist.DistError:
                 return
 
@@ -449,9 +412,9 @@ class Team:
         """The body of `with team:` (a step of the loop) ends early when a peer is lost: team.lost, and the
         error goes no further; any other error goes on. A body that ended after its generation's abort
         (its collectives done before it) is lost too: the others have left to recover."""
-        if error is None and not interrupted():
+        if error is None and not abandoned():
             self.step_times.append(time.perf_counter() - self.started)
-        self.lost = self.lost_peer(error) if error is not None else interrupted()
+        self.lost = self.lost_peer(error) if error is not None else abandoned()
         return self.lost
 
     def recover(self, checkpointer, device, step, rebuild=None):
@@ -463,9 +426,11 @@ class Team:
         the newcomer does at its start: the same collectives in the same order. Returns (the step
         restored, the checkpointer)."""
         t0, lost_at = time.perf_counter(), time.time()
-        settle(checkpointer, self.timeout_s)
         for attempt in range(1, RETRIES + 1):
             try:
+                self.abandon()
+                if attempt == 1:
+                    settle(checkpointer, self.timeout_s)
                 gen = self.reform(device)
                 formed_s = time.perf_counter() - t0
                 checkpointer = rebuild() if rebuild else regroup(checkpointer)
@@ -492,26 +457,29 @@ class Team:
         """Whether a collective's error says a peer died or hung (gloo's and NCCL's words for it)."""
         return isinstance(error, RuntimeError) and any(phrase in str(error) for phrase in PEER_LOST)
 
-    def reform(self, device):
-        """After a peer was lost: leave the broken group, report the loss (the supervisor fences a rank
-        that reports none), wait for the supervisor's next generation and form it. Returns its number."""
+    def abandon(self):
+        """After a peer was lost: report it (the others hear of it at once through the abort, if no
+        supervisor has said it yet; the supervisor fences a rank that reports none), and end every wait
+        of this process on the generation's groups (end_generation), once a generation."""
         failed = self.gen
-        try:  # the others hear of it at once (watch), if no supervisor has said it yet
+        if self.reported == failed:
+            return
+        try:
             self.store.compare_set(f"g{failed}/abort", "", f"rank {self.rank} saw a collective fail")
             self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
             self.store.add(f"g{failed}/lost", 1)
         except dist.DistNetworkError:
             raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost or out of reach: "
                              "leaving (this node's supervisor says what follows)") from None
-        # The broken groups are kept until their collectives in flight have timed out (a gloo group that
-        # goes sooner blocks in its destructor, the GIL held, until then), then dropped by the beat
-        # thread: a broken gloo group can keep a thread of its own spinning (gloo_tcp_loop, a core's worth,
-        # measured) for as long as it lives.
+        self.reported = failed
+        end_generation(f"generation {failed}: rank {self.rank} saw a collective fail")
+
+    def reform(self, device):
+        """Once the generation is abandoned: drop its groups (their work has ended with them), wait for
+        the supervisor's next generation and form it. Returns its number."""
+        failed = self.gen
         leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
-        if dist.is_initialized():
-            with self.buried:
-                self.graveyard.append((time.monotonic() + 2 * collective_timeout_s(),
-                                       list(dist.distributed_c10d._world.pg_map)))
+        if dist.is_initialized():  # (on NCCL the abort dropped them already)
             leave.start()
             leave.join(self.timeout_s)
         if leave.is_alive():
@@ -527,16 +495,22 @@ class Team:
 
 
 def settle(checkpointer, timeout_s):
-    """A peer was lost: the tiers' work in flight ends (their settle()), and so does the checkpointer's
-    save in flight, waited for up to `timeout_s`: committed whole, or left uncommitted (never loaded);
-    its collectives fail with the group, its commit is atomic. FSDP's async staging buffers go too: the
-    checkpointer rebuilt over the new group has its own."""
+    """A peer was lost and the generation's groups ended: the tiers' work in flight ends (their
+    settle()), and so does the checkpointer's save in flight: committed whole before the loss, or left
+    uncommitted (never loaded). Its collectives raised with the groups, its commit is refused once the
+    generation is abandoned (common.dist.abandoned); what remains is this rank's own writing of its
+    files. One still running after `timeout_s` could commit or write later: this process leaves (the
+    supervisor replaces it). FSDP's async staging buffers go too: the checkpointer rebuilt over the new
+    group has its own."""
     checkpointer.each("settle")
     pending, checkpointer.pending = checkpointer.pending, None
     future = getattr(pending, "future", None)  # rank 0's write (DDP), every rank's (FSDP)
     if future is not None:
         done, _ = concurrent.futures.wait([future], timeout=timeout_s)
-        error = future.exception() if done else TimeoutError(f"still running after {timeout_s} s")
+        if not done:
+            raise SystemExit(f"rank {checkpointer.rank}: the save of step {pending.step} in flight when a peer was "
+                             f"lost still runs after {timeout_s:.0f} s: leaving, so that it never commits late")
+        error = future.exception()
         if error or checkpointer.rank == 0:
             print(f"rank {checkpointer.rank}: the save of step {pending.step} in flight when a peer was lost: "
                   + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
@@ -557,26 +531,3 @@ def warm_up(device):
     optimizer machinery (the first construction imports torch._dynamo, about as long as `import torch`)."""
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))])
 
-
-def interruptible_collectives(modules):
-    """FSDP2's all-gathers and reduce-scatters of `modules`, waited through common.dist.wait, so that the
-    survivors' watcher ends them at once when a peer is lost (tiers/survivors.py): the same collectives,
-    each finished before FSDP goes on. (On NCCL the group's abort ends them.)"""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-        assert hasattr(modules[0], "set_custom_reduce_scatter")
-    except (ImportError, AssertionError):  # a torch without them: a survivor may wait in one until its timeout
-        print0("fsdp: this torch has no custom FSDP collectives: a survivor may wait for a lost peer until "
-               "--hang-timeout-s")
-        return
-
-    class AllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            wait(super().__call__(output_tensor, input_tensor, group, async_op=True))
-
-    class ReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            wait(super().__call__(output_tensor, input_tensor, group, op, async_op=True))
-    for module in modules:
-        module.set_custom_all_gather(AllGather())
-        module.set_custom_reduce_scatter(ReduceScatter())
