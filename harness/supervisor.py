@@ -85,6 +85,7 @@ class Supervisor:
         self.beats = {}  # node 0: node -> (its incarnation, its beat, when that beat was first seen)
         self.joining = {}  # (rank, slot, pid) of a newcomer of this node not yet in a generation -> since when
         self.joined = set()  # the (rank, slot, pid) seen in one
+        self.forming = None  # (the generation being formed, when its first member was seen)
         self.ignored = set()  # the store's keys whose values are not this job's (each said once)
         self.bogus = {}  # rank -> its vacancy's node, for the ranks claimed by no process of the job (owners)
         self.claims = {}  # rank -> (its vacancy's generation, slot, pid) of this node's newcomers (owners)
@@ -244,6 +245,7 @@ class Supervisor:
                       "posted again")
             return
         self.join_deadline(gen, now)
+        self.survivor_deadline(gen, now)
         reports = self.store.add(f"g{gen}/lost", 0)
         if reports == 0:
             return
@@ -282,6 +284,25 @@ class Supervisor:
             elif now - self.joining.setdefault(key, now) >= 2 * self.fence_s:
                 self.kill(slot, f"did not join generation {gen} in {2 * self.fence_s:.0f} s of its claim")
                 self.joining.pop(key)
+
+    def survivor_deadline(self, gen, now):
+        """A survivor of this node (a rank this node's process held before generation `gen`, not a
+        newcomer: join_deadline) that has not joined `gen` within 2 fence_s of the first rank that did is
+        fenced, and replaced: it is stuck in a wait that ending the groups did not end (its own writing
+        of a save to a disk that hangs, say), and reports nothing."""
+        members = [f"g{gen}/member/{r}" for r in range(self.world)]
+        if gen == 0 or self.store.check(members) or not any(self.store.check([key]) for key in members):
+            return
+        if self.forming is None or self.forming[0] != gen:
+            self.forming = (gen, now)
+        if now - self.forming[1] < 2 * self.fence_s:
+            return
+        newcomers = {rank for rank, (_, slot, pid) in self.claims.items() if (rank, slot, pid) not in self.joined}
+        for rank in (r for r in range(self.world) if r not in newcomers and not self.store.check([members[r]])):
+            slot = self.slot_of(rank)
+            if slot is not None:
+                self.kill(slot, f"did not join generation {gen} in {2 * self.fence_s:.0f} s of the first rank")
+        self.forming = (gen, now)  # the kill is seen as a death on the next round
 
     def stop_bound(self, slot):
         """How long the process of `slot` may stay stopped before it is fenced: STOPPED_STEPS of its rank's

@@ -9,7 +9,8 @@
 #   3. crash-resume on the GPU, each against a run never crashed (digests must match): fsdp killed in its
 #      async save's upload, fsdp --compile killed while staging, ddp killed in its async write;
 #   4. ddp on the largest preset with --async-save, for docs/measurements.md;
-#   5. --survivors on NCCL, where there are 2 GPUs or more: a rank SIGKILLed, one SIGSTOPped.
+#   5. --survivors on NCCL, where there are 2 GPUs or more: a rank SIGKILLed, one SIGSTOPped (ddp); rank 0
+#      killed inside a synchronous save, the others in DCP's collectives (fsdp).
 # Each job is launched as the tests launch it (python3 -m harness.launch), with a timeout.
 #   bash tests/gpu_check.sh                      # the GPU figures of docs/measurements.md come from this
 #   BIG=tiny BATCH=8 STEPS=20 SMALL=tiny bash tests/gpu_check.sh   # on a CPU: checks the script itself
@@ -173,6 +174,33 @@ digests = [json.load(open(f"{d}/summary.json"))["param_digest"] for d in (run + 
 wrong += ["the digest differs from the uninterrupted job's"] if digests and digests[0] != digests[1] else []
 print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, {n} ranks on {device}: rank 0 kept its process, "
       "digest equal")
+sys.exit(1 if wrong else 0)
+PY
+  log "survivors on $device: fsdp, $n ranks, $spares spare: rank 0 killed in step 20's save, before its commit"
+  timeout 600 python3 - "$R/survivors-fsdp-$n" "$n" "$spares" "$device" "$SMALL" <<'PY' || failed+=("survivors, fsdp, $n ranks on $device")
+import json, os, sys
+from harness.launch import problems, survivors_job, torchrun
+from harness.procs import finish, start
+from harness.metrics import events
+run, n, spares, device, preset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+flags = ["--preset", preset, "--steps", 40, "--save-every", 20, "--batch-size", 4 * n, "--device", device,
+         "--log-every", 40, "--dropout", 0.1]
+proc = start(*torchrun("fsdp/train.py", n, run + "-ref", flags), log=run + "-ref.log")
+code, output, hung = finish(proc, float("inf"))
+wrong = problems(run + "-ref", code, output, 0)
+cmd, env = survivors_job("fsdp/train.py", n, run, flags, spares)
+proc = start(cmd, {**env, "FT_FAULTS": "crash-in-save=20,rank=0"}, log=run + ".log")
+code, output, hung = finish(proc, float("inf"))
+wrong += ["hung"] if hung else [f"exit {code}"] if code else ["a Traceback"] if "Traceback" in output else []
+wrong += [] if "injected crash: rank 0 while saving step 20" in output else ["the fault did not fire"]
+wrong += ["step 20 committed"] if os.path.exists(f"{run}/ckpt/step-00000020/.metadata") else []
+for e in (e for e in events(run) if e["event"] == "recovered"):
+    print(f"rank {e['rank']}, generation {e['generation']}: training again {e['recover_s']:.2f} s after it saw the "
+          f"loss, from step {e['step']}")
+digests = [json.load(open(f"{d}/summary.json"))["param_digest"] for d in (run + "-ref", run)] if not wrong else []
+wrong += ["the digest differs from the uninterrupted job's"] if digests and digests[0] != digests[1] else []
+print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, fsdp, {n} ranks on {device}: rank 0 lost in a save, "
+      "step 20 never committed, digest equal")
 sys.exit(1 if wrong else 0)
 PY
 done

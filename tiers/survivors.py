@@ -9,9 +9,10 @@ node instead of torchrun: one process per rank of the node plus --spares waiting
 alone when it dies. Node 0's holds the job's store, which outlives every worker: on one node, as root,
 in a network namespace of its own, which only the job's processes enter (in_network_namespace: no other
 process can connect; else on the loopback, said at start); on several, at the address of RDZV_ENDPOINT,
-where whoever reaches it is trusted with the job's control but never runs code in it: no pickle crosses
-a group (common.dist.gather_json), and every value read from the store is checked (vacancy_of,
-claim_of; one that is not the job's is ignored, in one line). The store holds:
+where whoever reaches it is trusted with the job's control. No pickle crosses a group
+(common.dist.gather_json), except DCP's own in an FSDP save or load (docs/guarantees.md), and every
+value read from the store is checked (vacancy_of, claim_of; one that is not the job's is ignored, in
+one line). The store holds:
     gen                 the generation: a supervisor adds one for each rank it finds dead
     vacancy/<n>         "<rank> <gen> <node>": the n-th rank left by a dead process, for a process of
                         that node, or of any ("any": its node was lost) (count: vacancies)
