@@ -17,7 +17,7 @@ from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_
                       torchrun, wait_for_step)
 from harness import launch, procs
 from harness.metrics import Watch
-from tiers.survivors import HANG_AT_CLAIM, PROCESS_BYTES, available_memory
+from tiers.survivors import HANG_AT_CLAIM, HANG_IN_SETTLE, PROCESS_BYTES, available_memory
 
 SCRIPT = "ddp/train.py"
 
@@ -90,7 +90,9 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
     # false alarm: nobody replaced, the memory tier still on). After step 40 rank 2 is SIGKILLed, in
     # step 55's backward rank 1 dies (its peers wait in DDP's reducer, inside torch), after step 70 rank 3
     # is SIGSTOPped, each while the others wait in collectives with one another, not with it: they hear
-    # of it from the job's store (the supervisor's abort), not from a timeout. Meanwhile
+    # of it from the job's store (the supervisor's abort), not from a timeout. Rank 3 hangs as it
+    # recovers from rank 1's death (as a save's write to a disk that hangs would): it reported the loss,
+    # and is fenced for not joining the next generation within 2 --hang-timeout-s. Meanwhile
     # the job on one machine listens on the loopback only, even where the host's name resolves to its
     # network address, and its store in a network namespace of its own: no other user (nobody, 65534),
     # nor root outside the job, can connect to it.
@@ -113,24 +115,27 @@ def test_at_4_ranks_every_survivor_hears_at_once_of_a_pause_a_kill_and_a_stop(tm
             assert wait_for_step(run, step, proc), f"the job ended before step {step}: rank {rank} never faulted"
             os.kill(metrics(run, rank, "start")[-1]["pid"], number)
     output = survivors_run(run, *flags, nproc=4, spares=1, faults="pause-at-step=10,crash-in-backward=55,rank=1",
+                           env={HANG_IN_SETTLE: "3 2"},
                            wrap=lambda cmd: named_on_the_network(cmd, tmp_path), while_running=meanwhile)
     assert "injected pause: rank 1 after step 10" in output
     assert "the job's store in a network namespace of its own" in output
     assert "generation 0 failed with no process lost (a false alarm" in output
     assert "supervisor: rank 2 (slot 2) killed by signal 9: generation 2" in output
     assert "injected crash: rank 1 in the backward of step 55" in output
-    # The spare, then the restarted slots 2 and 1 (the next spares), forked by the warm parent: the job's
-    # weights are those of the torchrun job's fresh processes.
+    assert "fault injection: rank 3 hangs in its recovery from generation 2" in output
+    assert "supervisor: rank 3 (slot 3) did not join generation 3 in 6 s of the first rank: frozen, killed" in output
+    # The spare, then the restarted slots 2, 1 and 3 (the next spares), forked by the warm parent: the
+    # job's weights are those of the torchrun job's fresh processes.
     assert re.findall(r"slot (\d+) \(pid \d+, (.+?)\): takes rank (\d)", output) == [
-        ("4", "forked", "2"), ("2", "forked", "1"), ("1", "forked", "3")], output[-3000:]
-    stopped = re.search(r"supervisor: rank 3 \(slot 3\) stopped for ([\d.]+) s: frozen, killed", output)
+        ("4", "forked", "2"), ("2", "forked", "1"), ("1", "forked", "3"), ("3", "forked", "3")], output[-3000:]
+    stopped = re.search(r"supervisor: rank 3 \(slot 1\) stopped for ([\d.]+) s: frozen, killed", output)
     assert stopped and float(stopped[1]) < 3, output[-3000:]  # learnt from the steps, not the hang timeout
-    # Rank 0 kept its process through the four; each fault cost one new process at most.
-    for rank, processes in enumerate((1, 2, 2, 2)):
+    # Rank 0 kept its process through the five; each fault cost one new process at most.
+    for rank, processes in enumerate((1, 2, 2, 3)):
         assert len(metrics(run, rank, "start")) == processes, (rank, metrics(run, rank, "start"))
-    assert [e["generation"] for e in metrics(run, 0, "recovered")] == [1, 2, 3, 4]
-    assert [e["generation"] for e in metrics(run, 1, "recovered")] == [1, 2, 4]
-    heard_at_once(run, 4, (2, 3, 4))  # (the paused rank heard of generation 1 on waking)
+    assert [e["generation"] for e in metrics(run, 0, "recovered")] == [1, 2, 4, 5]  # (3 never formed)
+    assert [e["generation"] for e in metrics(run, 1, "recovered")] == [1, 2, 5]  # (a newcomer from 4)
+    heard_at_once(run, 4, (2, 5))  # (the paused rank heard of generation 1 on waking; 4 waited for the fence)
     assert [e["source"] for e in metrics(run, 0, "load")] == ["memory"] * 4
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 

@@ -84,6 +84,7 @@ BEAT_S = 0.1  # a rank's beat (beat/<rank>: its steps and its median step) every
 CLONE_NEWNET = 0x40000000  # (linux/sched.h)
 FORKED = "FT_FORKED"  # set in a process that the node's warm parent forked (harness/warm.py)
 HANG_AT_CLAIM = "FT_HANG_AT_CLAIM"  # tests: the process that wins vacancy N hangs there (alive, never joins)
+HANG_IN_SETTLE = "FT_HANG_IN_SETTLE"  # tests: "R G": rank R, recovering from generation G, hangs as in a save
 # NCCL in this mode: only an abort (the watcher's) or the group's own timeout ends a collective; neither
 # the watchdog (after an error, a timeout: it would kill the process) nor the heartbeat monitor kills it.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
@@ -431,6 +432,10 @@ class Team:
             try:
                 self.abandon()
                 if attempt == 1:
+                    if os.environ.get(HANG_IN_SETTLE) == f"{self.rank} {self.gen}":  # a write to a disk that hangs
+                        print(f"fault injection: rank {self.rank} hangs in its recovery from generation {self.gen}",
+                              flush=True)
+                        threading.Event().wait()
                     settle(checkpointer, self.timeout_s)
                 gen = self.reform(device)
                 formed_s = time.perf_counter() - t0
