@@ -132,9 +132,11 @@ done
 # 4. DDP on the largest preset (its async save copies on the loop, into pinned memory): one save, at the end.
 big ddp-big ddp/train.py --async-save --steps 40 --save-every 40
 
-# 5. --survivors on NCCL (tiers/survivors.py): the last rank SIGKILLed after step 20, rank 1 SIGSTOPped
-# after step 40; rank 0 keeps its process, hears of each from the store and aborts its NCCL group; the
-# job ends with the digest of one never faulted. NCCL refuses two ranks on one GPU: a GPU a process.
+# 5. --survivors on NCCL (tiers/survivors.py): ddp, the last rank SIGKILLed after step 20, rank 1
+# SIGSTOPped after step 40, rank 0 keeping its process; fsdp, rank 0 killed in step 20's save before its
+# commit, the others waiting in DCP's collectives. Each survivor hears of it from the store and aborts
+# its NCCL groups; each job ends with the digest of one never faulted. NCCL refuses two ranks on one
+# GPU: a GPU a process.
 # SURVIVORS_ON_CPU=1: the same on the CPU (gloo), which checks this section itself.
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 layouts=(); device=cuda
@@ -144,20 +146,24 @@ layouts=(); device=cuda
 [ ${#layouts[@]} = 0 ] && log "survivors on NCCL: not run: $gpus GPU here, two ranks need two (NCCL refuses two ranks on one device)"
 for layout in "${layouts[@]}"; do
   read -r n spares <<< "$layout"
-  log "survivors on $device: $n ranks, $spares spare: a SIGKILL after step 20, a SIGSTOP after step 40"
-  timeout 600 python3 - "$R/survivors-$n" "$n" "$spares" "$device" "$SMALL" <<'PY' || failed+=("survivors, $n ranks on $device")
+  for case in ddp fsdp; do
+  log "survivors on $device, $case: $n ranks, $spares spare"
+  timeout 600 python3 - "$R/survivors-$case-$n" "$n" "$spares" "$device" "$SMALL" "$case" <<'PY' || failed+=("survivors, $case, $n ranks on $device")
 import json, os, signal, sys
 from harness.launch import problems, survivors_job, torchrun
 from harness.procs import finish, start
 from harness.metrics import Watch, events
-run, n, spares, device, preset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-flags = ["--preset", preset, "--steps", 80, "--save-every", 40, "--batch-size", 4 * n, "--device", device,
-         "--log-every", 80, "--dropout", 0.1]
-proc = start(*torchrun("ddp/train.py", n, run + "-ref", flags), log=run + "-ref.log")
+run, n, spares, device, preset, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:]
+script = f"{case}/train.py"
+flags = ["--preset", preset, "--steps", 80, "--save-every", 40 if case == "ddp" else 20, "--batch-size", 4 * n,
+         "--device", device, "--log-every", 80, "--dropout", 0.1]
+proc = start(*torchrun(script, n, run + "-ref", flags), log=run + "-ref.log")
 code, output, hung = finish(proc, float("inf"))
 wrong = problems(run + "-ref", code, output, 0)
-proc = start(*survivors_job("ddp/train.py", n, run, flags, spares), log=run + ".log")
-for step, rank, number in ((20, n - 1, signal.SIGKILL), (40, 1, signal.SIGSTOP)):
+cmd, env = survivors_job(script, n, run, flags, spares)
+# fsdp: rank 0 dies in step 20's save, before its commit, while the others wait in DCP's collectives
+proc = start(cmd, {**env, "FT_FAULTS": "crash-in-save=20,rank=0"} if case == "fsdp" else env, log=run + ".log")
+for step, rank, number in ((20, n - 1, signal.SIGKILL), (40, 1, signal.SIGSTOP)) if case == "ddp" else ():
     if Watch(run).first("step", proc, rank=0, min_step=step) is None:
         sys.exit(f"the job ended before step {step}")
     pid = [e["pid"] for e in events(run) if e["event"] == "start" and e["rank"] == rank][-1]
@@ -165,44 +171,21 @@ for step, rank, number in ((20, n - 1, signal.SIGKILL), (40, 1, signal.SIGSTOP))
 code, output, hung = finish(proc, float("inf"))
 wrong += ["hung"] if hung else [f"exit {code}"] if code else ["a Traceback"] if "Traceback" in output else []
 ev = events(run)
-starts = [e for e in ev if e["event"] == "start" and e["rank"] == 0]
-wrong += [] if len(starts) == 1 else [f"rank 0 started {len(starts)} times"]
+if case == "ddp":
+    starts = [e for e in ev if e["event"] == "start" and e["rank"] == 0]
+    wrong += [] if len(starts) == 1 else [f"rank 0 started {len(starts)} times"]
+else:
+    wrong += [] if "injected crash: rank 0 while saving step 20" in output else ["the fault did not fire"]
+    wrong += ["step 20 committed"] if os.path.exists(f"{run}/ckpt/step-00000020/.metadata") else []
 for e in (e for e in ev if e["event"] == "recovered"):
     print(f"rank {e['rank']}, generation {e['generation']}: training again {e['recover_s']:.2f} s after it saw the "
           f"loss, from step {e['step']}")
 digests = [json.load(open(f"{d}/summary.json"))["param_digest"] for d in (run + "-ref", run)] if not wrong else []
 wrong += ["the digest differs from the uninterrupted job's"] if digests and digests[0] != digests[1] else []
-print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, {n} ranks on {device}: rank 0 kept its process, "
-      "digest equal")
+print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, {case}, {n} ranks on {device}: digest equal")
 sys.exit(1 if wrong else 0)
 PY
-  log "survivors on $device: fsdp, $n ranks, $spares spare: rank 0 killed in step 20's save, before its commit"
-  timeout 600 python3 - "$R/survivors-fsdp-$n" "$n" "$spares" "$device" "$SMALL" <<'PY' || failed+=("survivors, fsdp, $n ranks on $device")
-import json, os, sys
-from harness.launch import problems, survivors_job, torchrun
-from harness.procs import finish, start
-from harness.metrics import events
-run, n, spares, device, preset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-flags = ["--preset", preset, "--steps", 40, "--save-every", 20, "--batch-size", 4 * n, "--device", device,
-         "--log-every", 40, "--dropout", 0.1]
-proc = start(*torchrun("fsdp/train.py", n, run + "-ref", flags), log=run + "-ref.log")
-code, output, hung = finish(proc, float("inf"))
-wrong = problems(run + "-ref", code, output, 0)
-cmd, env = survivors_job("fsdp/train.py", n, run, flags, spares)
-proc = start(cmd, {**env, "FT_FAULTS": "crash-in-save=20,rank=0"}, log=run + ".log")
-code, output, hung = finish(proc, float("inf"))
-wrong += ["hung"] if hung else [f"exit {code}"] if code else ["a Traceback"] if "Traceback" in output else []
-wrong += [] if "injected crash: rank 0 while saving step 20" in output else ["the fault did not fire"]
-wrong += ["step 20 committed"] if os.path.exists(f"{run}/ckpt/step-00000020/.metadata") else []
-for e in (e for e in events(run) if e["event"] == "recovered"):
-    print(f"rank {e['rank']}, generation {e['generation']}: training again {e['recover_s']:.2f} s after it saw the "
-          f"loss, from step {e['step']}")
-digests = [json.load(open(f"{d}/summary.json"))["param_digest"] for d in (run + "-ref", run)] if not wrong else []
-wrong += ["the digest differs from the uninterrupted job's"] if digests and digests[0] != digests[1] else []
-print("FAILED: " + "; ".join(wrong) if wrong else f"survivors, fsdp, {n} ranks on {device}: rank 0 lost in a save, "
-      "step 20 never committed, digest equal")
-sys.exit(1 if wrong else 0)
-PY
+  done
 done
 log end
 if [ ${#failed[@]} -gt 0 ]; then
