@@ -213,6 +213,22 @@ def forward_backward(model, micro_batches, device):
     return loss
 
 
+def clip_grad_norm(model, max_norm, device):
+    """Scales the gradients so that their global L2 norm is at most `max_norm`, bit for bit as
+    torch.nn.utils.clip_grad_norm_ does on FSDP2's DTensor gradients, but with the script's own all-reduce
+    of the world group in place of DTensor's: a plain collective like guard.agree's, under the step's
+    timeout, ended with every other wait by --survivors' watcher. Every gradient is a Shard(0) of the
+    world mesh, so each rank's shard counts once. In DTensor's order (its _NormPartial), which the bits
+    depend on: each gradient's norm of its local shard, squared, all-reduced as one vector and
+    square-rooted, then the norm of those norms; the coefficient max_norm / (norm + 1e-6), at most 1."""
+    grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    squares = (torch.stack(torch._foreach_norm(grads)) ** 2.0).to(device)  # --cpu-offload: NCCL's device
+    dist.all_reduce(squares)
+    total = torch.linalg.vector_norm(squares ** 0.5, 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
 # ----------------------------------------------------------------------------- checkpoint
 # fsdp/checkpoint.py's Checkpointer: a folder ckpt/step-NNNNNNNN/ of every rank's shards of "model" and
 # "optimizer" (DCP, by name, as get_state_dict gives them) and train.pt (format, step, world_size,
@@ -306,7 +322,7 @@ def main(cfg):
                 if cfg.grad_clip > 0:  # the norms of the sharded gradients are summed over ranks: the global norm
                     if faults:  # crash-in-clip: this rank dies as its peers all-reduce the norm
                         faults.before_clip(step)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    clip_grad_norm(model, cfg.grad_clip, device)
                 lr = lr_at(cfg, step)  # a function of the step: a resume, even with a new --lr, needs no saved schedule
                 for group in optimizer.param_groups:
                     group["lr"] = lr

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from common.checkpoint import checkpoints, param_digest
 from common.model import ModelConfig, Transformer
@@ -168,6 +169,41 @@ def test_a_shard_only_rank_peaks_in_training_at_a_fraction_of_a_ddp_rank(tmp_pat
     _, peak = training_peaks(events(tmp_path))  # the ranks other than 0: shards only
     full = 4 * summary(tmp_path)["params"]
     assert peak <= 2.5 * full, (peak, full)  # under DDP's 4x by more than a full model
+
+
+def clip_both_ways(rank, world, folder):
+    """One rank of test_the_clipping_is_torchs_bit_for_bit: the FSDP2 gradients of 20 batches, each clipped
+    by torch.nn.utils.clip_grad_norm_ (DTensor's all-reduce) and, from the same gradients, by fsdp/train.py's
+    clip_grad_norm; writes whether every clipped gradient was bitwise equal."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from fsdp.train import clip_grad_norm
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    model = Transformer(ModelConfig(seq_len=16, dim=32, heads=2), seed=0)
+    for module in [*model.blocks, model]:
+        fully_shard(module, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    equal = []
+    for batch in range(20):  # a clipping that is not torch's differs in ~1 of 3 (a sum in another order)
+        model.zero_grad()
+        tokens = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(world * batch + rank))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()  # a gradient norm of about 0.9
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        torchs = [p.grad.to_local().clone() for p in model.parameters()]
+        torch._foreach_copy_([p.grad.to_local() for p in model.parameters()], grads)
+        clip_grad_norm(model, 0.5, torch.device("cpu"))
+        equal.append(all(map(torch.equal, torchs, [p.grad.to_local() for p in model.parameters()])))
+    (Path(folder) / f"equal-{rank}.json").write_text(json.dumps(equal))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_clipping_is_torchs_bit_for_bit(tmp_path, world):
+    # fsdp/train.py clips with its own all-reduce (which --survivors' watcher ends); its weights stay
+    # those torch's clip_grad_norm_ would give (measured: the same param_digest, 2 and 4 ranks, 16 steps).
+    torch.multiprocessing.spawn(clip_both_ways, args=(world, tmp_path), nprocs=world)
+    for rank in range(world):
+        assert json.loads((tmp_path / f"equal-{rank}.json").read_text()) == [True] * 20
 
 
 def test_export_to_a_folder_is_refused_before_training(tmp_path):
