@@ -519,7 +519,8 @@ def settle(checkpointer, timeout_s):
         error = future.exception()
         if error or checkpointer.rank == 0:
             print(f"rank {checkpointer.rank}: the save of step {pending.step} in flight when a peer was lost: "
-                  + (f"not committed ({str(error)[:120]}), never loaded" if error else "committed"), flush=True)
+                  + (f"not committed ({next((p for p in PEER_LOST if p in str(error)), str(error)[:120])}), never "
+                     "loaded" if error else "committed"), flush=True)
     if getattr(checkpointer, "stager", None):  # (fsdp's)
         checkpointer.stager.close()
 
