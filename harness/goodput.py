@@ -145,8 +145,8 @@ def main(argv=None):
     modes = [m.strip() for m in args.modes.split(",")]
     if args.script not in ("ddp/train.py", "fsdp/train.py") or args.nproc < 1 or args.steps < 100 or args.rounds < 1:
         p.error("--script ddp/train.py or fsdp/train.py, --nproc >= 1, --steps >= 100, --rounds >= 1")
-    if not set(modes) <= set(MODES) or (args.script != "ddp/train.py" and any("survivors" in m for m in modes)):
-        p.error(f"--modes takes some of: {', '.join(MODES)} (the survivors modes with ddp/train.py only)")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes takes some of: {', '.join(MODES)}")
     out, rng = Path(args.out).resolve(), random.Random(args.seed)
     out.mkdir(parents=True, exist_ok=True)
     flags = ["--steps", args.steps, "--preset", args.preset, "--batch-size", 8 * args.nproc, "--log-every", 1000,
