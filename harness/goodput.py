@@ -17,8 +17,9 @@ the tier's own cost counts against it, and so does any change in the machine's l
 jobs. The kills': the job's own training time (its steps times its own median step) over that plus
 what each kill cost it (harness.metrics.phases' back_s less one step: detection, restart, load, the
 steps trained again), which a busy machine slows alike. Read the kills' goodput to compare modes: the
-uninterrupted job is torchrun's, and the survivors' processes, forked by a warm parent, step a few
-percent faster than torchrun's (1.04-1.07 measured), so their wall-clock goodput can pass 1. --rounds N runs the uninterrupted job and
+uninterrupted job is torchrun's, and the survivors' processes, forked by a warm parent, step faster
+than torchrun's (measured on 2 cores: ddp by a few percent, fsdp at 4 ranks by a quarter), so their
+wall-clock goodput can pass 1. --rounds N runs the uninterrupted job and
 every mode N times, interleaved (round 1's, then round 2's), so that a drift in load shows as a
 difference between rounds. Each faulted job must end with the uninterrupted digest, after exactly one
 torchrun restart per kill (--survivors: one new generation per kill, and one new process: every other
