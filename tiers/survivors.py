@@ -420,8 +420,9 @@ class Team:
         return self.lost
 
     def recover(self, checkpointer, device, step, rebuild=None):
-        """A survivor's way back after a peer was lost at `step`: what the checkpointer has in flight settles
-        (a save committed whole, or left uncommitted: never loaded), the group re-forms with the newcomer
+        """A survivor's way back after a peer was lost at `step`: it reports the loss and ends its waits on
+        the old groups (abandon), what the checkpointer has in flight settles (a save committed whole, or
+        left uncommitted: never loaded), the group re-forms with the newcomer
         (reform), what belonged to the old group is made again over the new one (FSDP: `rebuild()`, the
         sharded model, its optimizer, tiers and checkpointer; DDP: the checkpointer's tiers, regroup()), and
         every rank restores the newest step all of them hold (a tier's, the memory tier; else the disk), as
@@ -503,9 +504,9 @@ class Team:
 def settle(checkpointer, timeout_s):
     """A peer was lost and the generation's groups ended: the tiers' work in flight ends (their
     settle()), and so does the checkpointer's save in flight: committed whole before the loss, or left
-    uncommitted (never loaded). Its collectives raised with the groups, its commit is refused once the
-    generation is abandoned (common.dist.abandoned); what remains is this rank's own writing of its
-    files. One still running after `timeout_s` could commit or write later: this process leaves (the
+    uncommitted (never loaded). Its collectives raised with the groups, FSDP's commit is refused once the
+    generation is abandoned (common.dist.abandoned; DDP's is rank 0's file alone, of a step every rank
+    finished); what remains is this rank's own writing of its files. One still running after `timeout_s` could commit or write later: this process leaves (the
     supervisor replaces it). FSDP's async staging buffers go too: the checkpointer rebuilt over the new
     group has its own."""
     checkpointer.each("settle")
