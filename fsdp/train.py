@@ -272,6 +272,17 @@ def open_tiers(cfg, rank, world, model, optimizer, monitor):
     return tiers, faults
 
 
+def load_data(cfg, rank, world):
+    """(the steps' data, the evaluation's batches): the synthetic task, or --data's token files (tiers/tokens.py)."""
+    source = val_source = None  # the synthetic task
+    if cfg.data or cfg.val_data:
+        from tiers.tokens import sources
+        source, val_source = sources(cfg)
+    data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
+    print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
+    return data, eval_batches(cfg, rank, world, val_source)
+
+
 def main(cfg):
     # ------------------------------------------------------------------------- setup
     team, rank, world, device = start(cfg)  # --survivors: the survivors tier's team, else None
@@ -283,14 +294,8 @@ def main(cfg):
         monitor = Monitor(run_dir, rank, device, cfg.log_every)
 
         # --------------------------------------------------------------------- data
-        source = val_source = None  # the synthetic task
-        if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
-            from tiers.tokens import sources
-            source, val_source = sources(cfg)
-        data = StepData(cfg.seed, cfg.batch_size, cfg.seq_len, cfg.vocab, source)
-        print0(f"data: {data.format}" + (f", {cfg.grad_accum} micro-batches a step" if cfg.grad_accum > 1 else ""))
+        data, val_batches = load_data(cfg, rank, world)  # --eval-every: the same val_batches every time
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        val_batches = eval_batches(cfg, rank, world, val_source)  # --eval-every: the same batches every time
 
         # --------------------------------------------------------------------- model and optimizer
         bf16 = cfg.bf16 and device.type == "cuda"

@@ -127,7 +127,7 @@ def run_job(cmd, env, run_dir, deadline, nproc=0, kills=0, every=0, seed=0):
                 sent.append({"rank": rank, "pid": pid, "step": due, "time": time.time()})
             except ProcessLookupError:
                 sent.append({"rank": rank, "pid": pid, "step": due, "time": time.time(), "missed": True})
-        time.sleep(POLL_S)
+        time.sleep(POLL_S)  # sampling /proc and the metrics every POLL_S, not waiting for a moment
     code, output, _ = procs.finish(proc, deadline)
     return code, output, samples, sent
 
