@@ -38,6 +38,7 @@ from harness.nodes import Cluster, can_make_nodes, sh  # noqa: E402
 
 NODES = 2
 CRED_EXPIRE_S = 10  # how long a requeued job is held (Slurm's default: 120 s)
+TAIL = 40  # the lines of a failed check's job log printed (CI keeps no file)
 POLL_S = 0.05  # how often Slurm's state is read while a check waits for it
 TINY = "--preset tiny --steps {steps} --save-every 10 --log-every 1"  # the file's 1b FSDP job, made tiny
 ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -69,7 +70,8 @@ SlurmctldLogFile={top}/log/slurmctld.log
 SlurmdLogFile={top}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/pgid
+# linuxproc: a job's whole process tree (torchrun runs in a session of its own), as cgroups track it on clusters
+ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -207,6 +209,10 @@ class Job:
     def text(self):
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def said(self):
+        """The log's lines but step lines, a stack's frames and torch's warnings: what the job said."""
+        return [line for line in self.text().splitlines() if not re.match(r"step +\d| +|\[?W\d{4} ", line)]
+
 
 def batch_file(run_dir, steps, extra=""):
     """docs/slurm.sbatch as submitted here: without its GPUs, its job's model tiny, its run folder ours."""
@@ -224,7 +230,7 @@ class Check:
     """The checks' common ground: a job submitted, its problems collected (one line each)."""
 
     def __init__(self, slurm, folder):
-        self.slurm, self.folder, self.problems = slurm, Path(folder), []
+        self.slurm, self.folder, self.problems, self.jobs = slurm, Path(folder), [], []
 
     def submit(self, name, steps, extra=""):
         run_dir = self.folder / name
@@ -234,7 +240,8 @@ class Check:
         log = self.folder / f"{name}.out"
         out = self.slurm.run("sbatch", "--parsable", f"--job-name={name}", f"--nodes={NODES}", "--cpus-per-task=1",
                              f"--chdir={REPO}", f"--output={log}", script).stdout
-        return Job(self.slurm, out.strip().split(";")[0], run_dir, log)
+        self.jobs.append(Job(self.slurm, out.strip().split(";")[0], run_dir, log))
+        return self.jobs[-1]
 
     def expect(self, ok, line):
         if not ok:
@@ -381,6 +388,9 @@ def main():
                         check.problems.append(str(e).strip().splitlines()[0])
                     for line in check.problems:
                         print(f"slurm check {name}: {line}", flush=True)
+                    for job in check.problems and check.jobs:  # what a failed check's jobs said, for CI's log
+                        print(f"slurm check {name}: job {job.id}'s log, its last {TAIL} lines but steps and stacks:")
+                        print("\n".join(job.said()[-TAIL:]), flush=True)
                     failed |= bool(check.problems)
                     rows.append([name, "FAILED" if check.problems else "passed", f"{time.time() - started:.0f}",
                                  CHECKS[name][0]])
