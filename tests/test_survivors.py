@@ -219,6 +219,42 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
+def children(pid):
+    """The pids of process `pid`'s children (from /proc: each of its threads' list)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp_long_reference):
+    # 2 ranks and a spare. The idle spare is SIGKILLed 4 times, each time as soon as the warm parent has
+    # forked its replacement: the supervisor restarts it 3 times (MAX_RESTARTS), then retires its slot in
+    # one line, and the job trains on (before, a spare's fourth death ended the whole job, exit 1).
+    run = tmp_path / "run"
+    loaded = r"supervisor: the warm parent \(pid (\d+)\) loaded in"
+
+    def kill_the_spare(proc):
+        assert wait_for_step(run, 5, proc), "the job ended before step 5"
+        warm, killed = int(wait_for_line(proc, loaded)[1]), set()
+        ranks = {metrics(run, r, "start")[-1]["pid"] for r in (0, 1)}
+        for _ in range(4):
+            spare = set()
+            while not spare and proc.poll() is None:  # the supervisor's child that holds no rank, not yet killed
+                spare = children(proc.pid) - {warm} - ranks - killed  # (forked twice: the supervisor's child)
+                time.sleep(0.01)  # polling /proc for the fork, not waiting for a moment
+            assert len(spare) == 1, f"the spare was never forked again ({spare})"
+            os.kill(*spare, signal.SIGKILL)
+            killed |= spare
+        assert wait_for_line(proc, r"supervisor: slot 2, a spare, failed 4 times \(signal 9\): retired; the job "
+                                   "trains on without it"), "the spare's slot was not retired before the job ended"
+    output = survivors_run(run, *LONG, spares=1, while_running=kill_the_spare)
+    assert "ending the job" not in output
+    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [1, 1]
+    assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--spares", 1], "--spares needs --survivors"),
     (["--survivors", "--spares", -1], "--spares must be >= 0"),

@@ -75,10 +75,12 @@ from common.dist import PEER_LOST, exit_without_finalizing, keep_on_loopback, pi
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
 NETNS = "FT_STORE_NETNS"  # one node, as root: the fd of the network namespace the job's store listens in
+NODE_STORE = "FT_NODE_STORE"  # with etcd (tiers/etcd.py): host:port of this node's supervisor's store
 NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
 STRIDE = 1000  # slots of node k: k * STRIDE + 0, 1, ... (a node runs fewer processes)
 PROCESS_BYTES = 400 * 2**20  # a process's memory before its model: 421 MiB PSS (686 MiB RSS) measured, torch 2.14, CPU
 POLL_S = 0.005  # how often a waiting process reads the store (one node: a few microseconds a read)
+ETCD_POLL_S = 0.05  # as often, with the job's store in etcd (tiers/etcd.py)
 RETRIES = 3  # failures during one recovery before a survivor gives up its process (the supervisor replaces it)
 BEAT_S = 0.1  # a rank's beat (beat/<rank>: its steps and its median step) every BEAT_S
 CLONE_NEWNET = 0x40000000  # (linux/sched.h)
@@ -149,9 +151,13 @@ def in_network_namespace(make, fd=None):
     return done["value"]
 
 
-def connect(timeout_s):
+def connect(timeout_s, node=False):
     """A client of the job's store (FT_STORE), its socket made in the store's network namespace where
-    the supervisor made one (FT_STORE_NETNS: an fd that only the job's processes inherit)."""
+    the supervisor made one (FT_STORE_NETNS: an fd that only the job's processes inherit); with etcd
+    (tiers/etcd.py), the job's store there, and `node`: this node's supervisor's (FT_NODE_STORE)."""
+    if os.environ.get(NODE_STORE) and not node:
+        from tiers import etcd
+        return etcd.client()
     host, port = os.environ[STORE].rsplit(":", 1)
 
     def client():
@@ -252,6 +258,8 @@ class Team:
         if STORE not in os.environ:
             fail("--survivors runs under run.sh (python -m harness.launch), which supervises the processes")
         self.store = connect(timeout_s)
+        self.node_store = connect(timeout_s, node=True) if os.environ.get(NODE_STORE) else self.store  # (etcd)
+        self.poll_s = POLL_S if self.store is self.node_store else ETCD_POLL_S  # (etcd: a request each, not a read)
         self.slot, self.world, self.slots = int(os.environ[SLOT]), int(os.environ[WORLD]), int(os.environ[SLOTS])
         self.nproc = int(os.environ[NPROC])
         self.node, self.local_slot = divmod(self.slot, STRIDE)
@@ -339,7 +347,7 @@ class Team:
                 continue
             try:  # everyone is warm and waiting: a short timeout, so that a member's death here costs little
                 dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                        store=dist.PrefixStore(f"g{gen}", self.store), rank=self.rank,
+                                        store=dist.PrefixStore(f"g{gen}", self.group_store(gen)), rank=self.rank,
                                         world_size=self.world, device_id=device if device.type == "cuda" else None,
                                         timeout=datetime.timedelta(seconds=max(self.hang_timeout_s, 10)))
                 break
@@ -350,13 +358,22 @@ class Team:
                 print(f"rank {self.rank}: generation {gen} did not form ({str(e).strip()[:100]}): waiting for the "
                       "next", flush=True)
                 while self.newest() <= gen and time.monotonic() < deadline:
-                    time.sleep(POLL_S)
+                    time.sleep(self.poll_s)
                 gen = self.newest()
         set_collective_timeout(self.timeout_s)  # the long timeout while the state is restored
         with self.formed, _ended:
             _abandoned[0] = None
             self.gen = gen
         os.environ[GEN] = str(gen)
+
+    def group_store(self, gen):
+        """Where generation `gen`'s process group meets: the job's store; with etcd, the store of the
+        supervisor that began the generation (g<gen>/store), reached from here."""
+        if not os.environ.get(NODE_STORE):
+            return self.store
+        host, port = self.store.get(f"g{gen}/store", self.timeout_s).decode().rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=datetime.timedelta(seconds=max(self.hang_timeout_s, 10)))
 
     def given_up(self):
         """Whether node 0 found this node silent (cut off, say) and gave its ranks away: its processes are
@@ -369,8 +386,8 @@ class Team:
         first rank whose collective fails; it then ends at once every wait of this process on the
         generation's groups (end_generation), whoever issued it, so that every survivor recovers now, not
         only the dead rank's neighbours. Its own store client: one blocked in wait() stalls every other
-        call on its client."""
-        store = connect(self.timeout_s)
+        call on its client. (With etcd, this node's supervisor's store, where it relays the aborts.)"""
+        store = connect(self.timeout_s, node=True)
         while True:
             gen = self.gen
             try:  # every generation ends with its abort: a supervisor's, or a failed rank's (reform)
@@ -391,7 +408,7 @@ class Team:
             time.sleep(BEAT_S)
             steps = list(self.step_times)
             try:
-                self.store.set(f"beat/{self.rank}", f"{len(steps)} {statistics.median(steps) if steps else 0:.6f}")
+                self.node_store.set(f"beat/{self.rank}", f"{len(steps)} {statistics.median(steps) if steps else 0:.6f}")
             except dist.DistError:
                 return
 
@@ -400,7 +417,7 @@ class Team:
         while not self.store.check([f"g{gen}/member/{r}" for r in range(self.world)]):
             if self.newest() > gen or time.monotonic() > deadline:
                 return False
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
         return True
 
     def newest(self):
@@ -472,12 +489,13 @@ class Team:
         if self.reported == failed:
             return
         try:
-            self.store.compare_set(f"g{failed}/abort", "", f"rank {self.rank} saw a collective fail")
+            for store in {id(s): s for s in (self.store, self.node_store)}.values():  # (etcd: this node's at once)
+                store.compare_set(f"g{failed}/abort", "", f"rank {self.rank} saw a collective fail")
             self.store.set(f"g{failed}/lost/{self.rank}", str(os.getpid()))
             self.store.add(f"g{failed}/lost", 1)
         except dist.DistNetworkError:
-            raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher) is lost or out of reach: "
-                             "leaving (this node's supervisor says what follows)") from None
+            raise SystemExit(f"rank {self.rank}: the job's store (node 0's launcher, or etcd) is lost or out of "
+                             "reach: leaving (this node's supervisor says what follows)") from None
         self.reported = failed
         end_generation(f"generation {failed}: rank {self.rank} saw a collective fail")
 
@@ -496,7 +514,7 @@ class Team:
             if time.monotonic() > deadline:
                 raise SystemExit(f"rank {self.rank}: no replacement in {self.timeout_s + self.hang_timeout_s:.0f} s: "
                                  "leaving for a restart")
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
         self.form(None, device)
         return self.gen
 
