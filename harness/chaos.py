@@ -34,7 +34,8 @@ wait for a new node 1, started with an empty memory; the job keeps its size). Th
 a survivor's process started again. With --nodes, the kinds on real nodes (harness/nodes.py,
 chaos_nodes.py): a node killed whole, cut off shorter and longer than --hang-timeout-s, node 0 (rank 0
 and the job's store) cut off, a lossy link, two nodes lost one after the other; for torchrun (c10d) and
---survivors.
+--survivors; and, --survivors with the control plane in etcd on three nodes (a member each), node 0 killed
+whole, node 0 cut off, and etcd's leader killed (etcd-node0-killed, etcd-node0-cut, etcd-leader-killed).
 
 A trial passes when its fault fired, the job ended within its time bound after exactly the restarts its
 fault causes, loaded no damaged checkpoint, kept the bytes of a checkpoint that was unreadable for a

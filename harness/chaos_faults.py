@@ -148,6 +148,8 @@ class Job:
     boot: Optional[Callable] = None
     gone: list = field(default_factory=list)
     left: list = field(default_factory=list)  # (node, exit code, output) of a node that left the job, cut off
+    members: list = field(default_factory=list)  # with etcd: each node's member (a Popen); and which one was killed
+    killed_member: int = None
     cut_pids: list = field(default_factory=list)
     cut_at: Optional[float] = None
     preempted: Optional[dict] = None  # preempt: the first launch's 'preempted' event
@@ -640,6 +642,7 @@ class FaultKind:
     lost_processes: bool = False  # a process dies and the node lives: the memory tier replays at most a step
     real_nodes: bool = False  # on real nodes (harness/nodes.py, root): a --nodes kind
     elastic: bool = False  # --nodes, torchrun: NNODES=1:N (the others go on without a lost node), not N:N
+    etcd: bool = False  # --nodes, --survivors: the control plane in etcd, a member on each node (chaos_nodes.py)
 
 
 # The kinds by name; chaos_nodes.py appends the --nodes kinds.

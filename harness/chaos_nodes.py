@@ -4,7 +4,8 @@ entries appended to the table of kinds, chaos_faults.FAULTS, after the others.
 Each node is a network namespace with an address and a /dev/shm of its own (harness/nodes.py). The
 kinds: a node killed whole, cut off shorter and longer than --hang-timeout-s, node 0 (rank 0 and the
 job's store) cut off, a lossy link, two nodes lost one after the other; for torchrun (c10d) and
---survivors.
+--survivors. And for --survivors with the control plane in etcd (three nodes, a member of an etcd
+cluster on each, tiers/etcd.py): node 0 killed whole, node 0 cut off, the etcd leader's member killed.
 """
 import contextlib
 import dataclasses
@@ -12,10 +13,11 @@ import subprocess
 import time
 
 from harness.chaos_faults import (DATA_PARALLEL, FAULTS, HANG_FLAGS_DEFAULT, MARGIN, ONE_THREAD, SAVE_EVERY, STEPS,
-                                  SURVIVORS, FaultKind, Hit, at_step, faulted, plain, resumed_reference)
+                                  SURVIVORS, FaultKind, FaultMissed, Hit, at_step, faulted, plain, resumed_reference)
 from harness.launch import survivors_job, torchrun
 from harness.nodes import Cluster, pids_in
 from harness.procs import finish
+from tiers.etcd import ENDPOINTS
 
 # A node is cut off for less, then for more than --hang-timeout-s (5 s, HANG_FLAGS_DEFAULT): its link is
 # down for that long at the switch. A lossy link loses LOSS_PERCENT of its packets for LOSSY_S.
@@ -37,12 +39,22 @@ def on_nodes(job):
     job.flags += HANG_FLAGS_DEFAULT  # a collective times out, a silent node is found lost, in 5 s
     job.deadline += 120
     spares = nproc * (n - 1) if "--spares" in job.flags else 0
+    etcd = {}
+    if kind.etcd:  # a member on each node; every node's spares (node 0 is lost too), not node 0's alone
+        job.members = [job.cluster.etcd(k, range(n), job.run_dir.parent / f"{job.run_dir.name}-etcd") for k in range(n)]
+        etcd = {ENDPOINTS: job.cluster.etcd_endpoints(range(n)), "RDZV_ID": job.cluster.tag}
+        deadline = time.time() + 60
+        while job.cluster.etcd_leader(range(n)) is None:
+            if time.time() > deadline:
+                raise FaultMissed("etcd elected no leader in 60 s", "")
+            time.sleep(0.1)  # polling etcd's status, not waiting for a guessed moment
 
     def command(k):
         if strategy in SURVIVORS:
-            return faulted(job, survivors_job(job.script, nproc, job.run_dir, plain(job.flags),
-                                              spares=spares if k == 0 else 0, nnodes=n, node=k,
-                                              endpoint=job.cluster.endpoint))
+            cmd, env = survivors_job(job.script, nproc, job.run_dir, plain(job.flags),
+                                     spares=nproc if kind.etcd and spares else spares if k == 0 else 0, nnodes=n,
+                                     node=k, endpoint=job.cluster.endpoint)
+            return faulted(job, (cmd, {**env, **etcd}))
         return faulted(job, torchrun(job.script, nproc, job.run_dir, job.flags,
                                      nnodes=f"{1 if kind.elastic else n}:{n}", endpoint=job.cluster.endpoint,
                                      rdzv_id=job.cluster.tag, env=ONE_THREAD))
@@ -51,9 +63,10 @@ def on_nodes(job):
         cmd, env = command(k)
         return job.cluster.start(k, cmd, {**env, **ONE_THREAD}, f"{job.run_dir}-node{k}-{len(job.gone)}.log")
     job.boot = boot
-    job.nodes = {k: boot(k) for k in range(1, n)}
-    cmd, env = command(0)
-    return job.cluster.wrap(0, cmd), {**env, **ONE_THREAD, **job.cluster.env(0)}
+    main = 1 if kind.etcd else 0  # the node whose launcher is the trial's job: with etcd, node 0 may be lost
+    job.nodes = {k: boot(k) for k in range(n) if k != main}
+    cmd, env = command(main)
+    return job.cluster.wrap(main, cmd), {**env, **ONE_THREAD, **job.cluster.env(main)}
 
 
 def replaced_if_needed(job, k):
@@ -97,11 +110,14 @@ def after_save(job, fault):
 
 def cut_node(k, seconds):
     """Node k cut off (alive) for `seconds` after a random save (after_save), then healed. --survivors: where the cut
-    outlasts the hang timeout, node 1 (cut off itself, or from node 0's store) must leave the job, exit 1;
-    its processes' pids are kept (cut_pids), to check that none trained or saved after the cut."""
+    outlasts the hang timeout, node 1 (cut off itself, or from node 0's store; with etcd, node k itself) must
+    leave the job, exit 1; its processes' pids are kept (cut_pids), to check that none trained or saved after
+    the cut."""
     def fire(job):
+        leaves = k if FAULTS[job.trial.kind].etcd else 1
+
         def cut():
-            job.cut_pids = pids_in(job.cluster.netns[1])
+            job.cut_pids = pids_in(job.cluster.netns[leaves])
             job.cluster.cut(k)
             job.cut_at = time.time()
             return True
@@ -112,10 +128,32 @@ def cut_node(k, seconds):
             job.proc.wait(timeout=seconds)  # the cut's length: the fault itself
         job.cluster.heal(k)
         if job.trial.strategy in SURVIVORS and seconds > HANG_FLAGS_DEFAULT[1]:
-            code, output, _ = finish(job.nodes[1], job.deadline)
-            job.left.append((1, code, output))
-            replaced_if_needed(job, 1)
+            code, output, _ = finish(job.nodes[leaves], job.deadline)
+            job.left.append((leaves, code, output))
+            replaced_if_needed(job, leaves)
     return fire
+
+
+def etcd_leader_killed(job):
+    """The etcd member that leads killed (its node lives) after a random step, then started again, once
+    another leads: the job trains on, nobody fenced, no generation lost."""
+    def kill():
+        leader = job.cluster.etcd_leader(range(FAULTS[job.trial.kind].nodes))
+        if leader is None:
+            return False
+        job.members[leader].kill()
+        job.members[leader].wait()
+        job.killed_member = leader
+        return True
+    job.hit = at_step(job, job.rng.randint(SAVE_EVERY + 1, STEPS - MARGIN), None, kill)
+    if job.hit is None:
+        return
+    while job.cluster.etcd_leader(range(FAULTS[job.trial.kind].nodes)) in (None, job.killed_member):
+        if job.proc.poll() is not None:
+            return
+        time.sleep(0.1)  # polling etcd's status for a new leader, not waiting for a guessed moment
+    k = job.killed_member
+    job.members[k] = job.cluster.etcd(k, range(FAULTS[job.trial.kind].nodes), job.run_dir.parent / f"{job.run_dir.name}-etcd")
 
 
 def lossy_link(job):
@@ -203,4 +241,11 @@ FAULTS.update({name: FaultKind(name, DATA_PARALLEL + SURVIVORS, nodes=nodes, res
                    ("node0-cut", 2, 1, False, cut_node(0, CUT_LONG_S)),  # rank 0 and the job's store cut off
                    ("lossy-link", 2, None, False, lossy_link),
                    ("two-nodes-lost", 3, 2, True, kill_nodes(2, 1)),  # one after the other
+               ]})
+FAULTS.update({name: FaultKind(name, SURVIVORS, nodes=3, restarts=restarts, real_nodes=True, etcd=True, launch=on_nodes,
+                               fire=fire, checks=nodes_ended, expected=node_expected)
+               for name, restarts, fire in [
+                   ("etcd-node0-killed", 1, kill_nodes(0)),  # rank 0, its supervisor and its etcd member
+                   ("etcd-node0-cut", 1, cut_node(0, CUT_LONG_S)),  # node 0 leaves; the majority trains on
+                   ("etcd-leader-killed", 0, etcd_leader_killed),  # etcd's own leader: nothing happens
                ]})

@@ -180,6 +180,7 @@ class Cluster:
                "--initial-cluster-token", self.tag, "--initial-cluster-state", "new",
                "--pre-vote"]  # (a member back from a cut does not unseat the leader: etcd 3.5's default)
         log = Path(folder) / f"etcd-m{k}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:  # (appended: a member started again keeps its first life's log)
             proc = subprocess.Popen(self.wrap(k, cmd), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)

@@ -460,6 +460,9 @@ class Team:
                 checkpointer = rebuild() if rebuild else regroup(checkpointer)
                 restored = checkpointer.restore()
                 restored = checkpointer.load() if restored is None else restored
+                if restored is None:  # its model and optimizer are trained, the newcomers' fresh: it starts again too
+                    raise SystemExit(f"rank {self.rank}: no step that every rank holds, in memory or on disk: this "
+                                     "process leaves, so that every rank starts afresh (the supervisor replaces it)")
                 break
             except RuntimeError as error:
                 if not self.lost_peer(error):
