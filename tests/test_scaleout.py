@@ -9,7 +9,7 @@ import time
 
 from harness.procs import finish
 from harness.metrics import Watch, phases
-from conftest import LONG, SMALL, metrics, summary, torchrun, wait_for_step
+from conftest import LONG, SMALL, metrics, summary, torchrun, torchrun_meanwhile, wait_for_step
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it for several ranks a node
 
@@ -161,7 +161,6 @@ def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_train
     # the spare's), and the job ends with an uninterrupted job's weights.
     script, flags = "fsdp/train.py", [*LONG, "--steps", 300, "--save-every", 100, "--hang-timeout-s", 5]
     reference = tmp_path / "reference"
-    torchrun(script, 2, reference, *flags[:-2])
     run = tmp_path / "run"
     zero, one = (node_of(cluster, k, "fsdp", 1, run, ["--survivors", "--spares", 1, *flags], 2,
                          tmp_path / f"node{k}.log") for k in (0, 1))
@@ -177,6 +176,7 @@ def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_train
     rank1 = metrics(run, 1, "start")[-1]["pid"]  # its process when node 0 is cut off
     cluster.cut(0)
     cut_at = time.time()
+    referenced = torchrun_meanwhile(script, 2, reference, *flags[:-2])  # while node 1 waits out the store's bound
     code, left, hung = finish(one, cut_at + 90)  # the store call's bound (supervisor.STORE_LOST_S), then its exit
     left_at = time.time()
     cluster.heal(0)
@@ -194,6 +194,7 @@ def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_train
     spare = metrics(run, 1, "start")[-1]  # the cut-off side's last word: rank 1's events from then on are the spare's
     stale = [e for e in metrics(run, 1) if cut_at + 1 < e["time"] < spare["time"]]
     assert not [e for e in stale if e["event"] in ("step", "save")], stale
+    referenced()
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
     print(f"20 % loss: {'rank 1 fenced' if fenced else 'a false alarm'}; node 0 cut off -> node 1 left after "
           f"{left_at - cut_at:.1f} s")
