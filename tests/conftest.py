@@ -48,7 +48,8 @@ def torchrun(script, nproc, run_dir, *flags, restarts=0, max_restarts=3, timeout
 
 def torchrun_meanwhile(script, nproc, run_dir, *flags, timeout=240):
     """torchrun() (no fault, no restart), started now and checked by the call it returns, with torchrun()'s
-    checks: a test runs its reference so while its own job waits (a lease to lapse, a cut to be noticed)."""
+    checks, which then returns its output: a test runs its reference so while its own job waits (a lease to
+    lapse, a cut to be noticed)."""
     cmd, env = launch.torchrun(script, nproc, run_dir, flags, env={"FT_FAULTS": ""})
     proc = procs.start(cmd, env, Path(run_dir).parent / f"{Path(run_dir).name}.log")
 
@@ -56,6 +57,7 @@ def torchrun_meanwhile(script, nproc, run_dir, *flags, timeout=240):
         code, output, hung = procs.finish(proc, time.time() + timeout)
         wrong = launch.problems(run_dir, code, output, 0)
         assert not hung and not wrong, f"{' '.join(cmd)}\n{'; '.join(wrong)}\n{output[-6000:]}"
+        return output
     return done
 
 

@@ -9,7 +9,7 @@ import time
 
 from harness.procs import finish
 from harness.metrics import Watch, phases
-from conftest import LONG, SMALL, metrics, summary, torchrun, torchrun_meanwhile, wait_for_step
+from conftest import LONG, SMALL, metrics, summary, torchrun_meanwhile, wait_for_step
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it for several ranks a node
 
@@ -29,6 +29,9 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     assert wait_for_step(run, 9, survivor), "the job ended before step 9: the node was never lost"
     cluster.kill(1)
     lost_at = time.time()
+    reference = tmp_path / "reference"  # the uninterrupted 4-rank job's step 8 resumed at 2 ranks, meanwhile
+    shutil.copytree(fsdp_four_ranks / "ckpt" / "step-00000008", reference / "ckpt" / "step-00000008")
+    referenced = torchrun_meanwhile("fsdp/train.py", 2, reference, *SMALL)
     code, output, hung = finish(survivor, lost_at + 120)
     assert code == 0 and not hung, output[-6000:]
     after = [e for r in range(2) for e in metrics(run, r) if e["time"] > lost_at]
@@ -36,10 +39,8 @@ def test_a_lost_node_leaves_the_other_training_alone_within_30_s_bitwise(tmp_pat
     assert {(e["from_world_size"], e["world_size"]) for e in after if e["event"] == "reshard"} == {(4, 2)}
     assert (summary(run)["world_size"], summary(run)["steps"]) == (2, 16)
     # Exactly the uninterrupted 4-rank job's step 8, resumed at 2 ranks.
-    reference = tmp_path / "reference"
-    shutil.copytree(fsdp_four_ranks / "ckpt" / "step-00000008", reference / "ckpt" / "step-00000008")
-    proc = torchrun("fsdp/train.py", 2, reference, *SMALL)
-    assert "resharded from 4 to 2 ranks" in proc.stdout and "resuming from step 8" in proc.stdout
+    resumed = referenced()
+    assert "resharded from 4 to 2 ranks" in resumed and "resuming from step 8" in resumed
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
     # The node's loss to the first step at 2 ranks: the settings that bound it are in harness.launch.
     split = phases([e for r in range(2) for e in metrics(run, r)], lost_at)
@@ -125,13 +126,13 @@ def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its
     # ends with an uninterrupted job's weights.
     script, flags = "fsdp/train.py", [*LONG, "--hang-timeout-s", 2]  # the first disk save at step 60
     reference = tmp_path / "reference"
-    torchrun(script, 2, reference, *LONG)
     run = tmp_path / "run"
     first, _ = (node_of(cluster, k, "fsdp", 1, run, ["--survivors", "--spares", 1 - k, *flags], 2,
                         tmp_path / f"node{k}.log") for k in (0, 1))
     assert wait_for_step(run, 20, first), "the job ended before step 20: the node was never lost"
     cluster.kill(1)
     lost_at = time.time()
+    referenced = torchrun_meanwhile(script, 2, reference, *LONG)  # while node 0 finds node 1 silent
     code, output, hung = finish(first, lost_at + 120)
     assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
     assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 2 s)" in output
@@ -144,6 +145,7 @@ def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its
     # A node lost whole takes the replica of its last step with it while it is in flight (sent during the
     # next step): the job goes on from the step before it at worst.
     assert recovered[0]["step"] >= max(e["step"] for e in metrics(run, 0, "step") if e["time"] < lost_at) - 2
+    referenced()
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 

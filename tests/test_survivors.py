@@ -14,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
-                      torchrun, wait_for_step)
+                      torchrun, torchrun_meanwhile, wait_for_step)
 from harness import launch, procs
 from harness.metrics import Watch
 from tiers.survivors import HANG_AT_CLAIM, HANG_IN_SETTLE, PROCESS_BYTES, available_memory
@@ -195,7 +195,7 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     # memory snapshots: the job ends with the weights of an uninterrupted one, made of fresh processes.
     flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]
     reference = tmp_path / "reference"
-    torchrun(SCRIPT, 2, reference, *flags)
+    referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
     run = tmp_path / "run"
     loaded = r"supervisor: the warm parent \(pid (\d+)\) loaded in [\d.]+ s \(1 threads\)"
 
@@ -216,6 +216,7 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     assert re.search(r"slot 1 \(pid \d+, a fresh interpreter\): takes rank 1", output), output[-3000:]
     assert re.search(r"slot 0 \(pid \d+, forked\): takes rank 0", output), output[-3000:]
     assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [2, 2]
+    referenced()
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 

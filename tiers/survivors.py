@@ -9,7 +9,8 @@ node instead of torchrun: one process per rank of the node plus --spares waiting
 alone when it dies. Node 0's holds the job's store, which outlives every worker: on one node, as root,
 in a network namespace of its own, which only the job's processes enter (in_network_namespace: no other
 process can connect; else on the loopback, said at start); on several, at the address of RDZV_ENDPOINT,
-where whoever reaches it is trusted with the job's control. No pickle crosses a group
+where whoever reaches it is trusted with the job's control; or, with ETCD_ENDPOINTS, in etcd, where no
+node holds it (tiers/etcd.py: leases, transactions, a leader instead of node 0). No pickle crosses a group
 (common.dist.gather_json), except DCP's own in an FSDP save or load (docs/guarantees.md), and every
 value read from the store is checked (vacancy_of, claim_of; one that is not the job's is ignored, in
 one line). The store holds:
@@ -30,6 +31,9 @@ one line). The store holds:
                         gave away the ranks of its incarnation i: node 0, which found it silent, or the
                         node itself, come back), done (its processes have ended)
     end                 the job is over: spares leave (woken by a last vacancy/<n> that says "end")
+With etcd, also: g<gen>/store (where generation gen's group meets: a supervisor's own store),
+node/<k>/alive/<i> (held by node k's lease) and leader (held by the leading node's lease); beat/<r>, and
+a copy of each g<gen>/abort, are on the rank's own node's store instead (FT_NODE_STORE).
 Each generation's process group lives under its own prefix of the store, so no key of a failed one
 is ever read again.
 
