@@ -252,7 +252,7 @@ def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp
                                    "trains on without it"), "the spare's slot was not retired before the job ended"
     output = survivors_run(run, *LONG, spares=1, while_running=kill_the_spare)
     assert "ending the job" not in output
-    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [1, 1]
+    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [1, 1] and summary(run)["generation"] == 0
     assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
 
 
