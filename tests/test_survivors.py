@@ -220,15 +220,6 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
-def children(pid):
-    """The pids of process `pid`'s children (from /proc: each of its threads' list)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found.update(int(c) for c in (task / "children").read_text().split())
-    return found
-
-
 def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp_long_reference):
     # 2 ranks and a spare. The idle spare is SIGKILLed 4 times, each time as soon as the warm parent has
     # forked its replacement: the supervisor restarts it 3 times (MAX_RESTARTS), then retires its slot in
@@ -243,7 +234,7 @@ def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp
         for _ in range(4):
             spare = set()
             while not spare and proc.poll() is None:  # the supervisor's child that holds no rank, not yet killed
-                spare = children(proc.pid) - {warm} - ranks - killed  # (forked twice: the supervisor's child)
+                spare = set(procs.children(proc.pid)) - {warm} - ranks - killed  # (forked twice: the supervisor's)
                 time.sleep(0.01)  # polling /proc for the fork, not waiting for a moment
             assert len(spare) == 1, f"the spare was never forked again ({spare})"
             os.kill(*spare, signal.SIGKILL)
