@@ -284,3 +284,38 @@ def test_fsdp_resumes_from_the_archive_at_another_world_size(tmp_path, fsdp_four
     out = torchrun("fsdp/train.py", 1, run, *SMALL, "--archive", f"s3://ckpt/{FOUR_RANKS_ARCHIVE}", env=s3.env)
     assert "fetched step 16" in out.stdout and "resharded from 4 to 1 ranks" in out.stdout
     assert summary(run)["param_digest"] == saved["param_digest"]
+
+
+def test_the_summary_lists_the_archives_in_the_uploaders_order(capsys):
+    """close() waits for the last results; two that come at once (the uploader finishing as its input
+    closes) keep their order (they were swapped once: [4, 8, 16, 12] in CI)."""
+    results = [{"step": s, "bytes": 1, "seconds": 0.1, "attempts": 1, "already": False} for s in (12, 16)]
+
+    class Uploader:  # stands in for the uploader process: both results arrive as its input closes
+        returncode = None
+
+        def __init__(self, queue):
+            self.stdin = self
+            self.queue = queue
+
+        def close(self):
+            for result in results:
+                self.queue.put(result)
+
+        poll = wait = kill = lambda self: None
+
+    class Monitor:
+        events = []
+
+        def event(self, kind, **fields):
+            self.events.append((kind, fields))
+
+    up = archive.Archive.__new__(archive.Archive)
+    up.url, up.held, up.done, up.archived, up.blocked_s = "s3://b/p", {12: "a", 16: "b"}, [], [], 0.0
+    up.results = archive.queue.SimpleQueue()
+    up.proc = Uploader(up.results)
+    up.close(wait_s=5, monitor=Monitor())
+    assert [a["step"] for a in up.archived] == [12, 16] and not up.held
+    assert Monitor.events[-1] == ("archive_end", {"archived": [12, 16], "not_archived": [], "blocked_s": 0.0})
+    assert capsys.readouterr().out.splitlines() == ["archived step 12 (0.0 MiB in 0.10 s, 1 attempt)",
+                                                    "archived step 16 (0.0 MiB in 0.10 s, 1 attempt)"]

@@ -287,11 +287,16 @@ class Archive:
         self.record(monitor)
         self.blocked_s += time.perf_counter() - t0
 
-    def take(self):
-        """The uploader's results so far: a step archived (or gone from the run folder) is no longer held;
-        a failed attempt is only an event, the uploader tries again."""
-        while not self.results.empty():
-            result = self.results.get()
+    def take(self, wait_s=0.0):
+        """The uploader's results so far, in its order (waiting up to `wait_s` for the first): a step
+        archived (or gone from the run folder) is no longer held; a failed attempt is only an event, the
+        uploader tries again."""
+        while True:
+            try:
+                result = self.results.get(timeout=wait_s) if wait_s > 0 else self.results.get_nowait()
+            except queue.Empty:
+                return
+            wait_s = 0.0
             if "failed" not in result:
                 self.held.pop(result["step"], None)
             if not result.get("skipped"):
@@ -330,11 +335,7 @@ class Archive:
         self.check()
         self.proc.stdin.close()  # the uploader ends once its last job is done
         while self.held and time.monotonic() < deadline:
-            try:
-                self.results.put(self.results.get(timeout=min(1.0, deadline - time.monotonic())))
-            except (queue.Empty, ValueError):
-                pass
-            self.take()
+            self.take(wait_s=min(1.0, deadline - time.monotonic()))
             if self.held and self.proc.poll() is not None:  # died at the end: another one for what it held
                 self.check(idle=False)
                 self.proc.stdin.close()
