@@ -229,8 +229,10 @@ class Cluster:
     def heal(self, k):
         sh("ip", "-n", self.switch, "link", "set", f"v{k}", "up")
 
-    def lossy(self, k, percent):
-        """Drop `percent` % of node k's packets at the switch, each way, at random; lossy(k, 0) ends it."""
+    def lossy(self, k, percent, sparing=None):
+        """Drop `percent` % of node k's packets at the switch, each way, at random (with `sparing`, a TCP
+        port, only TCP packets to or from other ports: lossy(1, 100, sparing=PORT) stalls node 1's
+        training traffic, not its store's); lossy(k, 0) ends it."""
         table = f"loss{k}"
         if k in self.losses:
             sh("ip", "netns", "exec", self.switch, "nft", "delete", "table", "bridge", table)
@@ -238,9 +240,12 @@ class Cluster:
         if percent <= 0:
             return
         need("nft", "nftables")
-        drop = f"numgen random mod 100 < {int(percent)} drop"
+        drop = "drop" if percent >= 100 else f"numgen random mod 100 < {int(percent)} drop"
+        spared = ""
+        if sparing is not None:  # (not "tcp sport != P tcp dport != P drop": on this kernel it drops P's too)
+            spared, drop = f"    tcp dport {sparing} accept\n    tcp sport {sparing} accept\n", f"ip protocol tcp {drop}"
         rules = (f"table bridge {table} {{\n  chain forward {{\n    type filter hook forward priority 0; policy accept;\n"
-                 f'    iifname "v{k}" {drop}\n    oifname "v{k}" {drop}\n  }}\n}}\n')
+                 f'{spared}    iifname "v{k}" {drop}\n    oifname "v{k}" {drop}\n  }}\n}}\n')
         done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], input=rules, text=True,
                               capture_output=True)
         if done.returncode != 0:

@@ -2,11 +2,12 @@
 /dev/shm; the run folder on this machine's disk is their shared storage), launched through run.sh as a
 cluster user launches them: torchrun's agents meeting at one c10d rendezvous (a fixed pair; an elastic
 job that loses a node, and one that gains one), and the survivors' supervisors (a node lost whole, a
-lossy link, the node of rank 0 and the job's store cut off)."""
+stalled link, the node of rank 0 and the job's store cut off)."""
 import shutil
 import signal
 import time
 
+from harness.nodes import PORT
 from harness.procs import finish
 from harness.metrics import Watch, phases
 from conftest import LONG, SMALL, metrics, summary, torchrun_meanwhile, wait_for_step
@@ -149,31 +150,29 @@ def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 
 
-def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_training(tmp_path, cluster):
-    # Two nodes of one FSDP rank (--survivors), a spare on each. From step 20, 20 % of node 1's packets
-    # are dropped each way until a generation fails: a collective stalls past --hang-timeout-s, but
-    # nobody is dead, so the same processes form the next generation (a false alarm): no process
-    # replaced, the memory tier still on. (Or, now and then, TCP's retransmissions hold rank 1's report
-    # of the stall back more than 2 --hang-timeout-s: node 1's supervisor fences it as frozen and its
-    # spare takes rank 1, bitwise all the same, as docs/survivors.md says. A recovery under loss, whose tails
-    # reach its --timeout-s, is chaos's.) 40 steps after the recovery node 0 (rank 0 and the job's
-    # store) is cut off until node 1 has left: one side only trains on. Node 0, finding node 1 silent,
-    # gives rank 1 to its own spare; node 1 loses the store, kills its processes and exits 1, saying what
-    # became of the job. Its processes wrote nothing after the cut (rank 1's shards of each later save are
-    # the spare's), and the job ends with an uninterrupted job's weights.
+def test_a_stalled_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_training(tmp_path, cluster):
+    # Two nodes of one FSDP rank (--survivors), a spare on each. After step 20 every TCP packet of node 1
+    # but the job's store's is dropped, until a generation fails: a collective stalls past
+    # --hang-timeout-s, but nobody is dead and every rank still reaches the store, so the same processes
+    # form the next generation (a false alarm): no process replaced, the memory tier still on. (A random
+    # loss, 20 % of every packet, made one now and then, or none in 120 s: chaos's lossy-link kind.) 40
+    # steps after the recovery node 0 (rank 0 and the job's store) is cut off until node 1 has left: one
+    # side only trains on. Node 0, finding node 1 silent, gives rank 1 to its own spare; node 1 loses the
+    # store, kills its processes and exits 1, saying what became of the job. Its processes wrote nothing
+    # after the cut (rank 1's shards of each later save are the spare's), and the job ends with an
+    # uninterrupted job's weights.
     script, flags = "fsdp/train.py", [*LONG, "--steps", 300, "--save-every", 100, "--hang-timeout-s", 5]
     reference = tmp_path / "reference"
     run = tmp_path / "run"
     zero, one = (node_of(cluster, k, "fsdp", 1, run, ["--survivors", "--spares", 1, *flags], 2,
                          tmp_path / f"node{k}.log") for k in (0, 1))
-    assert wait_for_step(run, 20, zero), "the job ended before step 20: the link was never lossy"
-    cluster.lossy(1, 20)  # 20 % stalls a collective often
-    failed = said([zero, one], ["supervisor: generation 0 failed",  # a false alarm
-                                "supervisor: rank 1 (slot 1000) held up generation 0"], time.time() + 120)  # a fence
+    assert wait_for_step(run, 20, zero), "the job ended before step 20: the link never stalled"
+    cluster.lossy(1, 100, sparing=PORT)
+    failed = said([zero, one], ["supervisor: generation 0 failed"], time.time() + 60)
     cluster.lossy(1, 0)
-    assert failed, "no false alarm nor fence within 120 s of 20 % loss (or the job ended)"
+    assert failed, "no false alarm within 60 s of the stall (or the job ended)"
     alarm = Watch(run).until(lambda e: e["event"] == "recovered" and e["rank"] == 0, zero, time.time() + 120)
-    assert alarm, "no recovery within 120 s of the loss (or the job ended)"
+    assert alarm, "no recovery within 120 s of the stall (or the job ended)"
     assert wait_for_step(run, alarm["step"] + 40, zero), "the job ended before node 0 was cut off"
     rank1 = metrics(run, 1, "start")[-1]["pid"]  # its process when node 0 is cut off
     cluster.cut(0)
@@ -186,17 +185,14 @@ def test_a_lossy_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_train
     assert "supervisor: node 1 lost the job's store on node 0" in left and "If node 0 lives, the job trains on" in left
     code, output, hung = finish(zero, time.time() + 120)
     assert code == 0 and not hung, output[-5000:]
-    fenced = "supervisor: rank 1 (slot 1000) held up generation 0 for 10 s: frozen, killed (fenced)" in left
-    assert fenced or "(a false alarm: a slow link, a pause)" in output, output[-5000:]
+    assert "(a false alarm: a slow link, a pause)" in output and "fenced" not in output + left, output[-5000:]
     assert "memory tier is off" not in output + left
-    assert f"supervisor: rank 1 (slot {1000 + fenced}) lost with node 1 (silent for 5 s)" in output
+    assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 5 s)" in output
     assert process_story(run, 0)[0] == [metrics(run, 0, "start")[0]["pid"]]  # rank 0: one process throughout
-    starts = process_story(run, 1)[0]
-    assert starts[-2] == rank1 and len(starts) == 2 + fenced, starts  # rank 1: its process, then node 0's spare
+    assert process_story(run, 1)[0] == [rank1, metrics(run, 1, "start")[-1]["pid"]]  # its process, then node 0's spare
     spare = metrics(run, 1, "start")[-1]  # the cut-off side's last word: rank 1's events from then on are the spare's
     stale = [e for e in metrics(run, 1) if cut_at + 1 < e["time"] < spare["time"]]
     assert not [e for e in stale if e["event"] in ("step", "save")], stale
     referenced()
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
-    print(f"20 % loss: {'rank 1 fenced' if fenced else 'a false alarm'}; node 0 cut off -> node 1 left after "
-          f"{left_at - cut_at:.1f} s")
+    print(f"node 1 stalled: a false alarm; node 0 cut off -> node 1 left after {left_at - cut_at:.1f} s")
