@@ -2,13 +2,15 @@
 on each, as a cluster runs it (Debian's etcd-server, installed when missing): no node is the job's single point
 of failure, node 0 included, and etcd's own leader can be lost. (Node 0 cut off, and each of these alone:
 `bash run.sh chaos --nodes`'s etcd kinds.)"""
+import os
+import subprocess
 import time
 
 import pytest
 
 from harness import procs
 from harness.metrics import Watch
-from conftest import LONG, metrics, summary, torchrun_meanwhile, wait_for_step
+from conftest import LONG, REPO, metrics, summary, torchrun_meanwhile, wait_for_step
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it for several ranks a node
 NODES = 3
@@ -111,3 +113,42 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
     print(f"etcd's leader (node {leader}'s member) lost: rank 1's longest step meanwhile "
           f"{max(b - a for a, b in zip(steps, steps[1:])):.3f} s; node 0 lost whole: training again after "
           f"{recovered['time'] - lost_at:.2f} s; node 1 cut off: it left after {left_at - cut_at:.1f} s")
+
+
+def test_etcd_unreachable_and_a_job_id_that_ended_are_each_refused_in_one_line(tmp_path):
+    # A node of a 2-node job whose ETCD_ENDPOINTS no member answers at: one line after tiers.etcd's
+    # DEADLINE_S, exit 1. Then a real etcd member (on this machine's loopback), where the job's RDZV_ID has
+    # ended already (a launch that reuses an old job's name): one line, exit 2, before any process starts.
+    # Neither touches the run folder's checkpoint.
+    from harness.nodes import need
+    from harness.procs import free_port
+    from tiers.etcd import EtcdStore, prefix_of
+    run = tmp_path / "run"
+    (run / "ckpt" / "step-00000004").mkdir(parents=True)
+    (run / "ckpt" / "step-00000004" / "COMMITTED").write_text("{}")
+    before = sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*"))
+    launch = lambda endpoints: subprocess.Popen(  # noqa: E731
+        ["bash", "run.sh", "ddp", "1", "--survivors", "--run-dir", str(run), *map(str, FLAGS)], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "NNODES": "2", "NODE_RANK": "0", "RDZV_ID": "ended-job", "ETCD_ENDPOINTS": endpoints})
+    nowhere = launch(",".join(f"127.0.0.1:{free_port()}" for _ in range(3)))  # meanwhile: it waits 10 s
+    client, peer = free_port(), free_port()
+    url = lambda port: f"http://127.0.0.1:{port}"  # noqa: E731
+    member = subprocess.Popen([need("etcd", "etcd-server"), "--name", "m0", "--data-dir", tmp_path / "etcd",
+                               "--listen-client-urls", url(client), "--advertise-client-urls", url(client),
+                               "--listen-peer-urls", url(peer), "--initial-advertise-peer-urls", url(peer),
+                               "--initial-cluster", f"m0={url(peer)}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    try:
+        EtcdStore([("127.0.0.1", client)], prefix_of("ended-job")).set("end", "1")  # (it waits for the member)
+        ended = launch(f"127.0.0.1:{client}")
+        out, _ = ended.communicate(timeout=120)
+    finally:
+        member.kill()
+        member.wait()
+    assert ended.returncode == 2 and "Traceback" not in out, out
+    assert "has ended in etcd already" in out, out
+    out, _ = nowhere.communicate(timeout=120)
+    assert nowhere.returncode == 1 and "Traceback" not in out, out
+    assert "did not answer in 10 s" in out and "start etcd's members, or check ETCD_ENDPOINTS" in out, out
+    assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before
