@@ -14,7 +14,7 @@ import threading
 import time
 
 from harness.procs import dies_with_parent
-from harness.warm import READY_S, Forked, WarmParent
+from harness.warm import FAULT as WARM_FAULT, READY_S, Forked, WarmParent
 from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NODE_STORE, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE,
                              WORLD, claim_of, in_network_namespace, vacancy_of)
 
@@ -197,8 +197,11 @@ class Supervisor:
 
     def start_warm(self):
         """A new warm parent (harness/warm.py), or None (said in one line) where there can be none."""
+        env = self.environment()
+        if self.warm_restarts:
+            env.pop(WARM_FAULT, None)  # a fault fires once
         try:
-            return WarmParent(self.cmd, self.environment(), pass_fds=() if self.netns is None else (self.netns,))
+            return WarmParent(self.cmd, env, pass_fds=() if self.netns is None else (self.netns,))
         except OSError as e:
             print(f"supervisor: no warm parent ({e.strerror}): every process starts as a fresh interpreter", flush=True)
             return None

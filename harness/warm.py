@@ -41,6 +41,7 @@ import time
 
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_GET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 16, 36  # (linux/prctl.h)
 NAME = b"ft-warm-parent"
+FAULT = "FT_WARM_DIES_IN_FORK"  # the tests': N, the parent SIGKILLs itself in its N-th fork (its first life only)
 # What a --survivors process imports later, in the modules of the tiers it opens (ddp/train.py, fsdp/train.py).
 TIERS = ("tiers.survivors", "tiers.shm", "tiers.snapshot", "tiers.replica", "tiers.faults", "tiers.light")
 
@@ -88,7 +89,7 @@ def serve(sock, script, flags):
     own_name = comm()
     prctl(PR_SET_NAME, ctypes.c_char_p(NAME))
     send(sock, ready=True, pid=os.getpid(), load_s=time.monotonic() - t0, threads=len(os.listdir("/proc/self/task")))
-    requests = sock.makefile("rb")
+    requests, forks = sock.makefile("rb"), 0
     for line in requests:
         env = json.loads(line)["env"]
         problem = fork_problem()
@@ -110,7 +111,8 @@ def serve(sock, script, flags):
                     os.close(fd)
                 requests.close()
                 sock.close()
-                os.read(go_r, 1)
+                if os.read(go_r, 1) != b"1":  # the parent died before the supervisor knew this process: never run
+                    os._exit(1)
                 os.close(go_r)
                 prctl(PR_SET_NAME, ctypes.c_char_p(own_name))
                 return env, fresh_path
@@ -121,9 +123,15 @@ def serve(sock, script, flags):
         child = os.read(pid_r, 32)
         os.close(pid_r)
         os.waitpid(middle, 0)  # its exit gave the child to the supervisor (the subreaper)
+        forks += 1
+        if child and forks == int(os.environ.get(FAULT, "0")):
+            print(f"fault injection: the warm parent dies in its fork {forks}, of pid {int(child)}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        # The supervisor knows the child's pid before the child may run: a parent that dies in between
+        # leaves a child that reads no go and exits, never one that runs beside its slot's next process.
+        send(sock, **({"pid": int(child)} if child else {"error": "the fork failed"}))
         os.write(go_w, b"1")
         os.close(go_w)
-        send(sock, **({"pid": int(child)} if child else {"error": "the fork failed"}))
     os._exit(0)
 
 

@@ -186,13 +186,29 @@ def wait_for_line(proc, pattern, count=1, timeout=120):
     return None
 
 
+def never_ran(pid, timeout=60):
+    """Whether process `pid`, a child the supervisor does not know of, has exited (a zombie of the
+    supervisor, the subreaper, until it ends; or gone), waiting up to `timeout` s for it to."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)  # polling /proc for its exit, not waiting for a moment
+    return False
+
+
 def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpreter_stands_in(tmp_path):
     # Every process of the node is forked by the warm parent (harness/warm.py), which has imported torch
-    # and the script: the first launch's, and each replacement. After step 10 the warm parent is
-    # SIGKILLed; once the supervisor has said so, rank 1 is SIGKILLed too: no warm parent is ready, so
-    # its replacement is a fresh interpreter, while the supervisor starts another warm parent. Once that
-    # one is ready, rank 0 is SIGKILLed: its replacement is forked again. The ranks kept nothing but their
-    # memory snapshots: the job ends with the weights of an uninterrupted one, made of fresh processes.
+    # and the script: the first launch's, and each replacement. After step 10 rank 1 is SIGKILLed, and
+    # the warm parent SIGKILLs itself in the fork of its replacement (FT_WARM_DIES_IN_FORK), once the
+    # child is the supervisor's and before it says its pid: that child exits without running (it would
+    # have run beside its slot's next process: audit N7), and the replacement is a fresh interpreter,
+    # while the supervisor starts another warm parent. That one is SIGKILLed while idle, and a third
+    # started. Once it is ready, rank 0 is SIGKILLed: its replacement is forked again. The ranks kept
+    # nothing but their memory snapshots: the job ends with the weights of an uninterrupted one.
     flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]
     reference = tmp_path / "reference"
     referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
@@ -201,18 +217,31 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
 
     def faults(proc):
         assert wait_for_step(run, 10, proc), "the job ended before step 10"
-        warm = int(wait_for_line(proc, loaded)[1])
-        assert Path(f"/proc/{warm}/comm").read_text().strip() == "ft-warm-parent"
-        os.kill(warm, signal.SIGKILL)
-        assert wait_for_line(proc, rf"the warm parent \(pid {warm}\) died \(signal 9\): new processes start as "
+        first = int(wait_for_line(proc, loaded)[1])
+        assert Path(f"/proc/{first}/comm").read_text().strip() == "ft-warm-parent"
+        os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)  # its replacement: the parent's fork 3
+        orphan = wait_for_line(proc, r"fault injection: the warm parent dies in its fork 3, of pid (\d+)")
+        assert orphan, "the warm parent did not die in its fork"
+        assert wait_for_line(proc, rf"the warm parent \(pid {first}\) could not fork \(it did not answer\): new "
+                                   "processes start as fresh interpreters until another is ready")
+        assert never_ran(int(orphan[1])), "the child of a warm parent that died in its fork runs"
+        orphans.append(orphan[1])
+        second = wait_for_line(proc, loaded, count=2)
+        assert second and int(second[1]) != first, "no new warm parent"
+        os.kill(int(second[1]), signal.SIGKILL)
+        assert wait_for_line(proc, rf"the warm parent \(pid {second[1]}\) died \(signal 9\): new processes start as "
                                    "fresh interpreters until another is ready"), "the supervisor never saw it die"
-        os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)
-        again = wait_for_line(proc, loaded, count=2)
-        assert again and int(again[1]) != warm, "no new warm parent"
+        assert wait_for_line(proc, loaded, count=3), "no third warm parent"
         recovered = Watch(run).first("recovered", proc, rank=0)
         assert recovered and wait_for_step(run, recovered["step"] + 5, proc), "the job ended before the second kill"
         os.kill(metrics(run, 0, "start")[-1]["pid"], signal.SIGKILL)
-    output = survivors_run(run, *flags, "--hang-timeout-s", 3, while_running=faults)
+    orphans = []
+    output = survivors_run(run, *flags, "--hang-timeout-s", 3, while_running=faults,
+                           env={"FT_WARM_DIES_IN_FORK": "3"})
+    # (Before, it ran and claimed rank 1 beside its replacement: "claim/1 in the job's store is not this
+    # job's: ignored", a generation more, 5.8 s.)
+    assert f"pid {orphans[0]}, " not in output and "not this job's" not in output, output[-3000:]
+    assert summary(run)["generation"] == 2  # rank 1's loss, rank 0's
     assert re.search(r"slot 1 \(pid \d+, a fresh interpreter\): takes rank 1", output), output[-3000:]
     assert re.search(r"slot 0 \(pid \d+, forked\): takes rank 0", output), output[-3000:]
     assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [2, 2]
