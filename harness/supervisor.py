@@ -591,15 +591,15 @@ class Supervisor:
             if status in (0, 143) or self.signalled or os.path.exists(self.stop_file):
                 ended = True
                 continue
+            how = f"exit {status}" if status > 0 else f"signal {-status}"
             if self.restarts[slot] >= self.max_restarts and self.holder(slot) is None:  # an idle spare
-                how = f"exit {status}" if status > 0 else f"signal {-status}"
                 print(f"supervisor: slot {slot}, a spare, failed {self.restarts[slot] + 1} times ({how}): retired; the "
                       "job trains on without it", flush=True)
                 self.retired.add(slot)
                 continue
             if self.restarts[slot] >= self.max_restarts:
-                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times (exit {status}): "
-                      "ending the job", flush=True)
+                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times ({how}): ending the job",
+                      flush=True)
                 return 1
             self.vacate([slot], f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
             self.restarts[slot] += 1

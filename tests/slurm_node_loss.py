@@ -5,8 +5,9 @@ by hand, not in the suite (about 4 minutes):
     .venv/bin/python tests/slurm_node_loss.py
 
 Three nodes of harness/nodes.py with harness/slurm.py's Slurm (SlurmdTimeout 10 s here, 300 s by default):
-node0 holds slurmctld and is excluded from the job; node1 (the batch host) and node2 run it, a `sleep` a
-node. It prints the job's state, batch host and nodes as they change over the 60 s after each loss."""
+node0 holds slurmctld and is excluded from the job; node1 (the batch host) and node2 run it, a task a
+node that writes the time to a file of the shared folder every second. It prints the job's state, batch
+host and nodes as they change over the 60 s after each loss, and how long ago each task last wrote."""
 import re
 import sys
 import tempfile
@@ -25,7 +26,7 @@ BATCH = """#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --exclude=node0
 {nokill}
-srun {srun_nokill} bash -c 'echo task $SLURM_NODEID on $(hostname); sleep 600'
+srun {srun_nokill} bash -c 'echo task $SLURM_NODEID on $(hostname); while :; do date +%s > {top}/beat-$SLURM_NODEID; sleep 1; done'
 echo "srun ended: $?"
 """
 
@@ -42,7 +43,7 @@ with Cluster(3) as cluster:
                                      "--no-kill, lose node2 (not batch host)": ("#SBATCH --no-kill", 2),
                                      "--no-kill, lose node1 (batch host)": ("#SBATCH --no-kill", 1)}.items():
             script = top / f"job{lose}{bool(nokill)}.sbatch"
-            script.write_text(BATCH.format(nokill=nokill, srun_nokill="--no-kill" if nokill else ""))
+            script.write_text(BATCH.format(nokill=nokill, srun_nokill="--no-kill" if nokill else "", top=top))
             out = top / f"{script.stem}.out"
             job = slurm.run("sbatch", "--parsable", "--no-requeue", f"--output={out}", script).stdout.strip()
             deadline = time.time() + 60
@@ -59,6 +60,10 @@ with Cluster(3) as cluster:
                     seen.append((round(time.time() - t0, 1), s))
                 time.sleep(0.5)
             print(case, "after:", seen, flush=True)
+            beats = {b.name: round(time.time() - int(b.read_text() or 0)) for b in top.glob("beat-*")}
+            print(f"  the tasks' last beats, seconds ago (a task beats every second): {beats}", flush=True)
+            for b in top.glob("beat-*"):
+                b.unlink()
             print("  log:", out.read_text()[-400:] if out.exists() else "", flush=True)
             slurm.run("scancel", job, check=False)
             # bring the lost node's slurmd back

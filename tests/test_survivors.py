@@ -276,6 +276,37 @@ def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp
     assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
 
 
+def test_a_rank_that_keeps_dying_ends_the_job_in_one_line_and_a_run_again_resumes_from_memory_bitwise(tmp_path):
+    # 2 ranks, no spare. Rank 1's process is SIGKILLed 4 times, each time once the group has re-formed
+    # with its replacement and trained 5 steps: the supervisor starts slot 1 again 3 times (MAX_RESTARTS),
+    # then ends the job in one line (exit 1), before the first disk save. The memory tier keeps the newest
+    # step every rank holds in /dev/shm: the job run again resumes from it, and ends with the weights of
+    # an uninterrupted job.
+    flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100", "--hang-timeout-s", "3"]
+    reference = tmp_path / "reference"
+    referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
+    run = tmp_path / "run"
+    cmd, env = launch.survivors_job(SCRIPT, 2, run, flags, 0)
+    job = procs.start(cmd, env, tmp_path / "job.log")
+    assert wait_for_step(run, 10, job), "the job ended before step 10"
+    for kill in range(4):
+        if kill:
+            recovered = Watch(run).until(lambda e: e["event"] == "recovered" and e["rank"] == 0
+                                         and e["generation"] == kill, job)
+            assert recovered and wait_for_step(run, recovered["step"] + 5, job), f"the job ended before kill {kill + 1}"
+        os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)
+    code, output, hung = procs.finish(job, time.time() + 120)
+    assert code == 1 and not hung and "Traceback" not in output, output[-5000:]
+    assert "supervisor: slot 1 failed 4 times (signal 9): ending the job" in output, output[-3000:]
+    last = max(e["step"] for e in metrics(run, 0, "step"))
+    assert last < 100 and not (run / "ckpt" / "step-00000100").exists()
+    again = survivors_run(run, *flags)
+    assert re.search(r"resuming from step (\d+) \(memory snapshot\)", again), again[-3000:]
+    assert int(re.search(r"resuming from step (\d+)", again)[1]) >= last - 1
+    referenced()
+    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--spares", 1], "--spares needs --survivors"),
     (["--survivors", "--spares", -1], "--spares must be >= 0"),
