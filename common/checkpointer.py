@@ -57,7 +57,8 @@ class BaseCheckpointer:
         if stop and step < self.cfg.steps:  # committed (a stop's save is synchronous): exit non-zero for a restart
             self.each("preempted", step)
             self.monitor.event("preempted", step=step, signalled_at=self.guard.signalled_at)
-            print0(f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
+            print0(f"the job ends (its supervisor says why): step {step} saved, exiting" if self.guard.ended else
+                   f"preempted (SIGTERM or SIGUSR1): step {step} saved, exiting for a restart")
             raise SystemExit(PREEMPTED)
 
     def prune(self, step):

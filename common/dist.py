@@ -125,24 +125,33 @@ PREEMPTED = 143  # the exit code of a job stopped by SIGTERM (128 + 15): it save
 
 
 class StepGuard:
-    """One all-reduce at each step's end carries the loss and whether any rank got SIGTERM or SIGUSR1, so all
-    stop after the same step. Collectives wait `timeout_s` while starting, loading and saving; after 5 steps,
-    `hang_timeout_s` or 20 steps' time, so that a frozen rank fails the job in seconds."""
+    """One all-reduce at each step's end carries the loss and whether any rank got SIGTERM or SIGUSR1 (or was
+    told the job ends: end_after_step), so all stop after the same step. Collectives wait `timeout_s` while
+    starting, loading and saving; after 5 steps, `hang_timeout_s` or 20 steps' time, so that a frozen rank
+    fails the job in seconds."""
 
     def __init__(self, device, timeout_s, hang_timeout_s):
         self.device, self.timeout_s, self.hang_timeout_s = device, timeout_s, hang_timeout_s
-        self.step_timeout_s, self.signalled_at = timeout_s, None
+        self.step_timeout_s, self.signalled_at, self.ending, self.ended = timeout_s, None, False, False
         signal.signal(signal.SIGTERM, self._note)
         signal.signal(signal.SIGUSR1, self._note)  # Slurm's --signal=USR1@SECONDS, passed on by torchrun
 
     def _note(self, *_):
         self.signalled_at = self.signalled_at or time.time()
 
+    def end_after_step(self):
+        """Every rank saves after the next step and ends, as on a preemption, though no rank was signalled
+        (--survivors: the supervisor ends the job, tiers/survivors.py)."""
+        self.ending = True
+
     def agree(self, loss):
-        """(the loss averaged over the ranks, whether to save now and stop)."""
-        stats = torch.stack([loss.detach().float(), torch.tensor(float(self.signalled_at is not None), device=self.device)])
+        """(the loss averaged over the ranks, whether to save now and stop); then `ended` says whether it
+        is the job's end rather than a signal."""
+        flag = lambda on: torch.tensor(float(on), device=self.device)  # noqa: E731
+        stats = torch.stack([loss.detach().float(), flag(self.signalled_at is not None), flag(self.ending)])
         dist.all_reduce(stats)
-        return stats[0].item() / dist.get_world_size(), stats[1].item() > 0
+        self.ended = stats[2].item() > 0
+        return stats[0].item() / dist.get_world_size(), stats[1].item() > 0 or self.ended
 
     def shorten_timeout(self, step_times):
         """After this attempt's 5th step (the first ones are slow): the short timeout from now on."""

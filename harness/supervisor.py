@@ -15,8 +15,9 @@ import time
 
 from harness.procs import dies_with_parent
 from harness.warm import FAULT as WARM_FAULT, READY_S, Forked, WarmParent
-from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NODE_STORE, NPROC, POLL_S, SLOT, SLOTS, STORE, STRIDE,
-                             WORLD, claim_of, in_network_namespace, vacancy_of)
+from common.dist import PREEMPTED
+from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NODE_STORE, NPROC, POLL_S, SLOT, SLOTS, STOP, STORE,
+                             STRIDE, WORLD, claim_of, in_network_namespace, vacancy_of)
 
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
 STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
@@ -588,7 +589,7 @@ class Supervisor:
             status = proc.poll()
             if status is None or slot in self.retired:
                 continue
-            if status in (0, 143) or self.signalled or os.path.exists(self.stop_file):
+            if status in (0, PREEMPTED) or self.signalled or os.path.exists(self.stop_file):
                 ended = True
                 continue
             how = f"exit {status}" if status > 0 else f"signal {-status}"
@@ -597,10 +598,15 @@ class Supervisor:
                       "job trains on without it", flush=True)
                 self.retired.add(slot)
                 continue
-            if self.restarts[slot] >= self.max_restarts:
-                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times ({how}): ending the job",
-                      flush=True)
+            if self.restarts[slot] >= self.max_restarts and self.store.check([STOP]):  # again, in the last try
+                print(f"supervisor: slot {slot} failed {self.restarts[slot] + 1} times ({how}): ending the job now; "
+                      "the memory tier keeps the newest step every rank holds", flush=True)
                 return 1
+            if self.restarts[slot] >= self.max_restarts:  # its rank once more: the step saved first, as on a preemption
+                why = f"slot {slot} failed {self.restarts[slot] + 1} times ({how})"
+                print(f"supervisor: {why}: the job ends once its ranks have saved their next step (its rank is "
+                      "taken once more)", flush=True)
+                self.store.set(STOP, why)  # before the vacancy: every survivor reads it as it recovers
             self.vacate([slot], f"died (exit {status})" if status > 0 else f"killed by signal {-status}")
             self.restarts[slot] += 1
             self.start(slot)
@@ -612,7 +618,12 @@ class Supervisor:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(60, self.fence_s * 4))
             statuses = [p.poll() for slot, p in self.procs.items() if slot not in self.retired]
-            return next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
+            code = next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
+            if code == PREEMPTED and self.store.check([STOP]):  # saved, but not for a restart: a failure
+                print(f"supervisor: the job saved its step and ends (exit 1): {self.store.get(STOP).decode()}",
+                      flush=True)
+                return 1
+            return code
         if fence:
             self.fence()
         return None

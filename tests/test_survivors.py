@@ -276,12 +276,13 @@ def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp
     assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
 
 
-def test_a_rank_that_keeps_dying_ends_the_job_in_one_line_and_a_run_again_resumes_from_memory_bitwise(tmp_path):
+def test_a_rank_that_keeps_dying_ends_the_job_once_its_step_is_saved_and_a_run_again_resumes_bitwise(tmp_path):
     # 2 ranks, no spare. Rank 1's process is SIGKILLed 4 times, each time once the group has re-formed
-    # with its replacement and trained 5 steps: the supervisor starts slot 1 again 3 times (MAX_RESTARTS),
-    # then ends the job in one line (exit 1), before the first disk save. The memory tier keeps the newest
-    # step every rank holds in /dev/shm: the job run again resumes from it, and ends with the weights of
-    # an uninterrupted job.
+    # with its replacement and trained 5 steps: the supervisor starts slot 1 again 3 times (MAX_RESTARTS);
+    # at its fourth death the job must end, but first, as on a preemption, its rank is taken once more and
+    # every rank saves its next step (before, the survivors were SIGKILLed mid-step, nothing saved). The
+    # job exits 1 (a failure: no requeue), and run again resumes from that step with the weights of an
+    # uninterrupted job.
     flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100", "--hang-timeout-s", "3"]
     reference = tmp_path / "reference"
     referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
@@ -294,15 +295,17 @@ def test_a_rank_that_keeps_dying_ends_the_job_in_one_line_and_a_run_again_resume
             recovered = Watch(run).until(lambda e: e["event"] == "recovered" and e["rank"] == 0
                                          and e["generation"] == kill, job)
             assert recovered and wait_for_step(run, recovered["step"] + 5, job), f"the job ended before kill {kill + 1}"
+        last = max(e["step"] for e in metrics(run, 0, "step"))
         os.kill(metrics(run, 1, "start")[-1]["pid"], signal.SIGKILL)
     code, output, hung = procs.finish(job, time.time() + 120)
     assert code == 1 and not hung and "Traceback" not in output, output[-5000:]
-    assert "supervisor: slot 1 failed 4 times (signal 9): ending the job" in output, output[-3000:]
-    last = max(e["step"] for e in metrics(run, 0, "step"))
-    assert last < 100 and not (run / "ckpt" / "step-00000100").exists()
+    assert "supervisor: slot 1 failed 4 times (signal 9): the job ends once its ranks have saved their next step" \
+           in output, output[-3000:]
+    saved = re.search(r"the job ends \(its supervisor says why\): step (\d+) saved, exiting", output)
+    assert saved and "supervisor: the job saved its step and ends (exit 1): slot 1 failed 4 times" in output
+    assert int(saved[1]) < 100 and int(saved[1]) >= last - 1 and len(metrics(run, 1, "start")) == 5
     again = survivors_run(run, *flags)
-    assert re.search(r"resuming from step (\d+) \(memory snapshot\)", again), again[-3000:]
-    assert int(re.search(r"resuming from step (\d+)", again)[1]) >= last - 1
+    assert f"resuming from step {saved[1]}" in again, again[-3000:]
     referenced()
     assert summary(run)["param_digest"] == summary(reference)["param_digest"]
 

@@ -31,6 +31,8 @@ one line). The store holds:
                         gave away the ranks of its incarnation i: node 0, which found it silent, or the
                         node itself, come back), done (its processes have ended)
     end                 the job is over: spares leave (woken by a last vacancy/<n> that says "end")
+    stop                why the job must end (a slot used up its restarts): the ranks that recover next
+                        save after their next step and exit, as on a preemption (StepGuard.end_after_step)
 With etcd, also: g<gen>/store (where generation gen's group meets: a supervisor's own store),
 node/<k>/alive/<i> (held by node k's lease) and leader (held by the leading node's lease); beat/<r>, and
 a copy of each g<gen>/abort, are on the rank's own node's store instead (FT_NODE_STORE).
@@ -78,6 +80,7 @@ from common.config import fail
 from common.dist import PEER_LOST, exit_without_finalizing, keep_on_loopback, pick_device, set_collective_timeout
 
 STORE, SLOT, WORLD, SLOTS, GEN = "FT_STORE", "FT_SLOT", "FT_WORLD", "FT_SLOTS", "FT_GENERATION"
+STOP = "stop"  # the job's key: why the job ends once its step is saved (the supervisor's)
 NETNS = "FT_STORE_NETNS"  # one node, as root: the fd of the network namespace the job's store listens in
 NODE_STORE = "FT_NODE_STORE"  # with etcd (tiers/etcd.py): host:port of this node's supervisor's store
 NPROC, FIRST_RANK = "FT_NPROC", "FT_RANK"  # ranks a node; the rank of a process of the first launch
@@ -476,6 +479,8 @@ class Team:
         else:
             raise SystemExit(f"rank {self.rank}: more than {RETRIES} failures in one recovery: leaving for a restart")
         set_collective_timeout(checkpointer.guard.step_timeout_s)
+        if self.store.check([STOP]):  # the supervisor ends the job: saved after the next step, as on a preemption
+            checkpointer.guard.end_after_step()
         checkpointer.monitor.event("recovered", step=restored, lost_step=step, generation=gen, lost_at=lost_at,
                                    formed_s=formed_s, recover_s=time.perf_counter() - t0, pid=os.getpid())
         if self.rank == 0:
