@@ -482,6 +482,8 @@ class Supervisor:
         bound = max(STORE_LOST_S, 4 * self.fence_s)
         while True:
             time.sleep(0.1 if self.etcd else 1)
+            if self.signalled:  # the ranks save and end: the control plane is no longer needed (run)
+                continue
             if self.etcd and time.monotonic() - self.lease_sent > self.ttl_s:
                 self.lost_store(f"no member of a majority renewed its lease in {self.ttl_s} s")
             elif not self.etcd and time.monotonic() - self.beaten > bound:
@@ -535,11 +537,14 @@ class Supervisor:
         try:
             while code is None:
                 rounds += 1
-                if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1:
+                # Once signalled (a preemption, a cancel), the ranks save and end with no control plane: under
+                # Slurm, etcd's members may be cancelled with them (docs/slurm-survivors.sbatch).
+                steady = not self.signalled
+                if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1 and steady:
                     self.beat()
-                if self.etcd:
+                if self.etcd and steady:
                     self.elect(rounds)
-                code = self.round(fence=rounds % BEAT_ROUNDS == 0)  # deaths every 5 ms, hangs every 0.1 s
+                code = self.round(fence=rounds % BEAT_ROUNDS == 0 and steady)  # deaths every 5 ms, hangs every 0.1 s
                 time.sleep(POLL_S)
         except StoreLost as e:
             self.lost_store(e)
@@ -548,7 +553,11 @@ class Supervisor:
         finally:  # spares leave at the end; whatever still runs after a while is killed
             self.beaten = float("inf")
             if not self.cut_off:
-                self.end()
+                try:
+                    self.end()
+                except RuntimeError:  # (DistNetworkError) the control plane went with a cancel: nobody to tell
+                    if not self.signalled:
+                        raise
             for proc in self.procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10 if self.ended else 0)
