@@ -8,7 +8,7 @@
 #   bash run.sh compare NPROC [--quick] [flags]      measured DDP / FSDP / parameter-server table
 #   bash run.sh chaos [--trials N] [--seed S]        random faults, each job checked against its reference
 #   bash run.sh goodput [flags]                      goodput under random kills: memory tier against disk alone
-#   bash run.sh slurm [--checks C,...]               docs/slurm.sbatch against a real Slurm on 2 real nodes (root)
+#   bash run.sh slurm [--checks C,...]               docs/slurm*.sbatch against a real Slurm on real nodes (root)
 #
 # Multi-node: NNODES (N, or MIN:MAX), NODE_RANK, RDZV_ENDPOINT (host:port of the first node), RDZV_ID;
 # MAX_RESTARTS; ETCD_ENDPOINTS (host:port,...: --survivors' control plane in etcd, no RDZV_ENDPOINT needed).
@@ -135,7 +135,7 @@ case "$mode" in
   compat) compat "$@" ;;
   compare) python_with "${RUNNERS[@]}"; from_caller compare "$@" ;;
   chaos) python_with "${TEST[@]}"; from_caller chaos "$@" ;;  # its disk-lost trials archive to a local S3 server
-  slurm) python_with "${TEST[@]}"; from_caller slurm "$@" ;;  # root: Debian's slurm-wlm and munge, installed if missing
+  slurm) python_with "${TEST[@]}"; from_caller slurm "$@" ;;  # root: Debian's slurm-wlm, munge and etcd-server, installed if missing
   goodput) python_with "${RUNNERS[@]}"; from_caller goodput "$@" ;;
   *) usage ;;
 esac

@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness.slurm as hs  # noqa: E402
 from harness.nodes import Cluster  # noqa: E402
 
-hs.SLURM_CONF = hs.SLURM_CONF.replace("KillWait=30\n", "KillWait=30\nSlurmdTimeout=10\n")
 top = Path(tempfile.mkdtemp(prefix="ft-slurm-exp-"))
 hs.need_slurm()
 BATCH = """#!/bin/bash
@@ -37,7 +36,7 @@ def state(slurm, job):
     return f.get("JobState"), f.get("BatchHost"), f.get("NodeList"), f.get("Restarts")
 
 with Cluster(3) as cluster:
-    slurm = hs.Slurm(cluster, top / "slurm")
+    slurm = hs.Slurm(cluster, top / "slurm", slurmd_timeout_s=10)
     try:
         for case, (nokill, lose) in {"default, lose node2 (not batch host)": ("", 2),
                                      "--no-kill, lose node2 (not batch host)": ("#SBATCH --no-kill", 2),
