@@ -18,6 +18,7 @@ rest comes as sbatch options (--nodes, --cpus-per-task, --chdir, --output). Each
 Then docs/slurm-survivors.sbatch (--survivors, the control plane in etcd, members started by the file) on a
 Slurm of 4 nodes of its own (slurmctld on node0, which the job excludes; SlurmdTimeout 10 s):
     survivors-etcd  on 3 nodes: COMPLETED 0:0, every step at 3 ranks, etcd's data removed, /dev/shm empty
+    cancel-etcd     a plain scancel (etcd's members TERMed too): CANCELLED, the step saved, etcd's data removed
     node0-lost      the batch host lost whole after step 20: the others train again, finish, end the job
 Prints a table of the checks and their times; exits 1 if one failed (one line each), 0 if all passed,
 2 if Slurm cannot be set up here (one line). Everything it starts is stopped and removed however it ends.
@@ -372,13 +373,13 @@ def etcd_job(check, name, steps):
     return job, tmp
 
 
-def node_logs(check, job):
+def node_logs(check, job, lost=None):
     """{file name: text} of the job's nodes' own logs (docs/slurm-survivors.sbatch's logs/), each checked
-    for a Traceback but node-0.out's (the node a check loses)."""
+    for a Traceback but that of node `lost` (a node the check loses)."""
     logs = {path.name: path.read_text(errors="replace") for path in (job.run_dir / "logs").glob("node-*.out")}
     check.expect(len(logs) == 3, f"job {job.id}: {len(logs)} node logs, expected 3")
     for name, text in logs.items():
-        check.expect(name == "node-0.out" or "Traceback" not in text, f"job {job.id}: {name} has a Traceback")
+        check.expect(name == f"node-{lost}.out" or "Traceback" not in text, f"job {job.id}: {name} has a Traceback")
     return logs
 
 
@@ -390,7 +391,6 @@ def survivors_etcd(check):
     check.ended(job, "COMPLETED", "0:0", 0)
     logs = node_logs(check, job)
     check.expect("the job's control plane in etcd" in "".join(logs.values()), f"job {job.id}: no node used etcd")
-    check.expect("Traceback" not in logs.get("node-0.out", ""), f"job {job.id}: node-0.out has a Traceback")
     summary = job.run_dir / "summary.json"
     got = json.loads(summary.read_text()) if summary.exists() else {}
     check.expect((got.get("steps"), got.get("world_size"), got.get("generation")) == (steps, 3, 0),
@@ -401,6 +401,23 @@ def survivors_etcd(check):
     for k in (1, 2, 3):
         left = check.slurm.snapshots_on(k)
         check.expect(not left, f"job {job.id}: node {k}'s /dev/shm still holds {', '.join(left)}")
+
+
+def cancel_etcd(check):
+    """docs/slurm-survivors.sbatch, a plain scancel at step 20: it TERMs etcd's members with the training,
+    yet the ranks save their step (a supervisor that passed a TERM on needs no control plane): CANCELLED,
+    the step saved, no Traceback, etcd's data removed."""
+    job, tmp = etcd_job(check, "cancel-etcd", 100000)
+    if not check.at_step(job, 20, lambda: check.slurm.run("scancel", job.id)):
+        return check.slurm.run("scancel", job.id, check=False)
+    check.ended(job, "CANCELLED", "143:0", 0)
+    step = check.preempted(job)
+    committed = [int(p.name.split("-")[1].split(".")[0]) for p in (job.run_dir / "ckpt").glob("step-*")]
+    check.expect(step is not None and step >= 20 and max(committed, default=None) == step,
+                 f"job {job.id}: saved step {step}, newest on disk {max(committed, default=None)}")
+    node_logs(check, job)
+    left = [p.name for p in tmp.glob("etcd-*")]
+    check.expect(not left, f"job {job.id}: etcd's data left: {', '.join(left)}")
 
 
 def node0_lost(check):
@@ -421,7 +438,7 @@ def node0_lost(check):
     fields = job.wait(300)
     check.expect(fields.get("JobState") == "CANCELLED", f"job {job.id}: {fields.get('JobState')}, expected "
                  "CANCELLED (by the nodes left, once done)")
-    said = "".join(node_logs(check, job).values())
+    said = "".join(node_logs(check, job, lost=0).values())
     check.expect("lost with node 0 (its lease in etcd lapsed" in said, f"job {job.id}: no node said node 0 was lost")
     summary = job.run_dir / "summary.json"
     got = json.loads(summary.read_text()) if summary.exists() else {}
@@ -445,9 +462,10 @@ CHECKS = {  # name: (what it shows, the check)
              lambda check: requeue(check, "usr1", "scancel --batch --signal=USR1")),
     "stop": ("a bad flag: FAILED 2:0, not requeued", stop),
     "survivors-etcd": ("slurm-survivors.sbatch, 3 nodes, etcd: COMPLETED 0:0", survivors_etcd),
+    "cancel-etcd": ("the same, scancel: CANCELLED, step saved, etcd's data removed", cancel_etcd),
     "node0-lost": ("the same, the batch host lost: trained on, ended", node0_lost),
 }
-CLUSTERS = {"survivors-etcd": 4, "node0-lost": 4}  # a check's nodes, where not NODES: a cluster of its own
+CLUSTERS = {"survivors-etcd": 4, "cancel-etcd": 4, "node0-lost": 4}  # a check's nodes, where not NODES: a cluster of its own
 LOST_S = 10  # that cluster's SlurmdTimeout: a lost node is DOWN after 10 s, not 300, so that its job can end
 
 

@@ -19,6 +19,7 @@ from common.dist import PREEMPTED
 from tiers.survivors import (FIRST_RANK, NCCL_SETTINGS, NETNS, NODE_STORE, NPROC, POLL_S, SLOT, SLOTS, STOP, STORE,
                              STRIDE, WORLD, claim_of, in_network_namespace, vacancy_of)
 
+SIGNALLED_S = 2.0  # after a signal, an etcd call's deadline (tiers/etcd.py's DEADLINE_S otherwise)
 BEAT_ROUNDS = 20  # a supervisor's beat (and its look for hangs) every 20 rounds of POLL_S
 STOPPED_FLOOR_S, STOPPED_STEPS = 1.0, 20  # a stopped rank is fenced after 20 of its steps, at least 1 s
 STORE_LOST_S = 30  # a node whose beat has not reached the store for this long (at least 4 fence_s) leaves the job
@@ -212,7 +213,7 @@ class Supervisor:
         max_restarts times; meanwhile every new process starts as a fresh interpreter."""
         was_ready = bool(self.warm.loaded)
         self.warm.close()
-        again = was_ready and self.warm_restarts < self.max_restarts
+        again = was_ready and self.warm_restarts < self.max_restarts and not self.signalled
         print(f"supervisor: the warm parent (pid {self.warm.proc.pid}) {why}: new processes start as fresh "
               f"interpreters {'until another is ready' if again else 'from now on'}", flush=True)
         self.warm = None
@@ -450,9 +451,14 @@ class Supervisor:
 
     def end(self):
         """Say the job is over, and wake the spares that wait for the next vacancy (Team.take_vacancy): any
-        value there wakes them, so never over another supervisor's vacancy."""
-        self.store.set("end", "1")
-        self.store.compare_set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "", "end")
+        value there wakes them, so never over another supervisor's vacancy. After a signal, the control plane
+        may be gone (under Slurm, a cancel TERMs etcd's members too): then nobody is told."""
+        try:
+            self.store.set("end", "1")
+            self.store.compare_set(f"vacancy/{self.store.add('vacancies', 0) + 1}", "", "end")
+        except RuntimeError:  # (DistNetworkError)
+            if not self.signalled:
+                raise
 
     def beat(self):
         """Say this node lives; raise StoreLost if node 0 is gone, and SystemExit if node 0 found this node
@@ -553,11 +559,7 @@ class Supervisor:
         finally:  # spares leave at the end; whatever still runs after a while is killed
             self.beaten = float("inf")
             if not self.cut_off:
-                try:
-                    self.end()
-                except RuntimeError:  # (DistNetworkError) the control plane went with a cancel: nobody to tell
-                    if not self.signalled:
-                        raise
+                self.end()
             for proc in self.procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10 if self.ended else 0)
@@ -628,7 +630,7 @@ class Supervisor:
                     proc.wait(timeout=max(60, self.fence_s * 4))
             statuses = [p.poll() for slot, p in self.procs.items() if slot not in self.retired]
             code = next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
-            if code == PREEMPTED and self.store.check([STOP]):  # saved, but not for a restart: a failure
+            if code == PREEMPTED and not self.signalled and self.store.check([STOP]):  # saved, not for a restart
                 print(f"supervisor: the job saved its step and ends (exit 1): {self.store.get(STOP).decode()}",
                       flush=True)
                 return 1
@@ -641,6 +643,8 @@ class Supervisor:
         """A signal to the job goes on to every process; Ctrl-C (SIGINT) as SIGTERM, as torchrun's agent
         passes it: the ranks save their step and end (exit 143), never a KeyboardInterrupt mid-step."""
         self.signalled.append(number)
+        if self.etcd:  # what it still says to etcd (end, leave), it says in 2 s or not at all
+            self.store.deadline_s = min(self.store.deadline_s, SIGNALLED_S)
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM if number == signal.SIGINT else number)
