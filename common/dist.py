@@ -141,7 +141,7 @@ class StepGuard:
 
     def end_after_step(self):
         """Every rank saves after the next step and ends, as on a preemption, though no rank was signalled
-        (--survivors: the supervisor ends the job, tiers/survivors.py)."""
+        (--survivors: its supervisor ends the job)."""
         self.ending = True
 
     def agree(self, loss):

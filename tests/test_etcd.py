@@ -15,6 +15,7 @@ from conftest import LONG, REPO, metrics, summary, torchrun_meanwhile, wait_for_
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it for several ranks a node
 NODES = 3
 HANG_S = 3  # --hang-timeout-s; a node's lease in etcd lives 5 s (harness/supervisor.py: LEASE_FLOOR_S)
+ELECTION_S = 3  # etcd's election when its leader is lost (1 s timeout, 0.1 s beats) and the lease it renews
 FLAGS = [*LONG, "--steps", 200, "--save-every", 50]  # about 25 ms a step here: 5 s of training
 
 
@@ -73,6 +74,7 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
         back_at = time.time()
         assert wait_for_step(run, now_at(run, 1) + 10, nodes[1], rank=1), "the job ended before node 0 was lost"
 
+        led_etcd = cluster.etcd_leader(range(NODES)) == 0  # then etcd elects anew, and renews every lease first
         cluster.kill(0)
         lost_at = time.time()
         recovered = Watch(run).until(lambda e: e["event"] == "recovered" and e["rank"] == 2, nodes[2], lost_at + 60)
@@ -99,8 +101,11 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
     assert "fenced" not in said, said[-5000:]
     rank2 = [e["pid"] for e in metrics(run, 2, "start")]
     assert len(rank2) == 1 and len(metrics(run, 2, "recovered")) == 2  # rank 2: one process, two recoveries
-    # The first recovery, within --hang-timeout-s + 5 s of node 0's loss, by the survivors of then.
-    assert recovered["lost_at"] > lost_at - 1 and recovered["time"] - lost_at <= HANG_S + 5, recovered
+    # The first recovery, within --hang-timeout-s + 5 s of node 0's loss, by the survivors of then; if node
+    # 0's member led etcd, an election more (1 s here), after which etcd gives every lease its whole life
+    # again (8.3 s seen in all: docs/measurements.md).
+    bound = HANG_S + 5 + ELECTION_S * led_etcd
+    assert recovered["lost_at"] > lost_at - 1 and recovered["time"] - lost_at <= bound, (led_etcd, recovered)
     # Node 1's side: no step nor save by a process it held after the cut (a second on: a step in flight may end).
     stale = [(r, e["event"], e["step"]) for r in range(NODES) for e in metrics(run, r) if e["event"] in ("step", "save")
              and cut_at + 1 < e["time"] and e["time"] < metrics(run, r, "start")[-1]["time"]
@@ -111,8 +116,9 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
     assert summary(run)["param_digest"] == summary(tmp_path / "reference")["param_digest"]
     steps = [e["time"] for e in metrics(run, 1, "step") if killed_at - 1 < e["time"] < back_at + 1]
     print(f"etcd's leader (node {leader}'s member) lost: rank 1's longest step meanwhile "
-          f"{max(b - a for a, b in zip(steps, steps[1:])):.3f} s; node 0 lost whole: training again after "
-          f"{recovered['time'] - lost_at:.2f} s; node 1 cut off: it left after {left_at - cut_at:.1f} s")
+          f"{max(b - a for a, b in zip(steps, steps[1:])):.3f} s; node 0 lost whole{' with etcd leader' * led_etcd}: "
+          f"training again after {recovered['time'] - lost_at:.2f} s; node 1 cut off: it left after "
+          f"{left_at - cut_at:.1f} s")
 
 
 def test_etcd_unreachable_and_a_job_id_that_ended_are_each_refused_in_one_line(tmp_path):
