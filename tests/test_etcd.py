@@ -51,11 +51,19 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
     # and after the first disk save node 1 is cut off: a minority of etcd, it cannot renew its lease, so it
     # kills its processes and leaves in one line (exit 1), and they write nothing after the cut. Node 2's
     # spares take every rank node 1 held; the job ends on node 2 alone with the uninterrupted job's weights.
+    # Its RDZV_ID, ended, is then refused; and meanwhile a node that no etcd member answers is.
     from harness.nodes import Cluster, can_make_nodes
+    from harness.procs import free_port
     if can_make_nodes():
         pytest.skip(can_make_nodes())
     referenced = torchrun_meanwhile("ddp/train.py", NODES, tmp_path / "reference", *FLAGS)
     run = tmp_path / "run"
+    # Meanwhile, on this machine, a node whose ETCD_ENDPOINTS no member answers at: one line after
+    # tiers.etcd's DEADLINE_S, exit 1, its run folder untouched.
+    nowhere = subprocess.Popen(["bash", "run.sh", "ddp", "1", "--survivors", "--run-dir", str(tmp_path / "nowhere")],
+                               cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "NNODES": "2", "NODE_RANK": "0", "RDZV_ID": "nowhere",
+                                    "ETCD_ENDPOINTS": ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))})
     with Cluster(NODES) as cluster:
         members = [cluster.etcd(k, range(NODES), tmp_path) for k in range(NODES)]
         assert led(cluster, time.time() + 60) is not None, "etcd elected no leader in 60 s"
@@ -95,6 +103,16 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
         assert "supervisor: node 1 lost the job's control plane in etcd" in left, left[-4000:]
         code, output, hung = procs.finish(nodes[2], time.time() + 120)
         assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
+        # The job's RDZV_ID has ended in etcd: a node launched again with it (a launch that reuses an old
+        # job's name) is refused in one line, exit 2, before any process starts; the run folder untouched.
+        files = lambda: sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*") if p.name != ".lock")  # noqa: E731
+        before = files()  # (the run folder's lock is taken, then let go)
+        again = cluster.launch(2, ["ddp", 1, "--run-dir", run, "--survivors", *FLAGS], NODES, tmp_path / "again.log",
+                               env)
+        code, refused, hung = procs.finish(again, time.time() + 60)
+        assert code == 2 and not hung and "Traceback" not in refused, refused[-3000:]
+        assert "has ended in etcd already: give each launch an RDZV_ID of its own" in refused, refused[-3000:]
+        assert files() == before
     said = output + left + nodes[0].log.read_text()
     assert "rank 0 (slot 0) lost with node 0 (its lease in etcd lapsed" in said, said[-5000:]
     assert "lost with node 1 (its lease in etcd lapsed" in said, said[-5000:]
@@ -111,6 +129,10 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
              and cut_at + 1 < e["time"] and e["time"] < metrics(run, r, "start")[-1]["time"]
              and held[r]["pid"] != metrics(run, r, "start")[-1]["pid"]]
     assert not stale, stale
+    out, _ = nowhere.communicate(timeout=60)
+    assert nowhere.returncode == 1 and "Traceback" not in out, out
+    assert "did not answer in 10 s" in out and "start etcd's members, or check ETCD_ENDPOINTS" in out, out
+    assert not (tmp_path / "nowhere").exists()
     referenced()
     assert (summary(run)["world_size"], summary(run)["generation"]) == (NODES, 2)  # node 0's loss, node 1's cut
     assert summary(run)["param_digest"] == summary(tmp_path / "reference")["param_digest"]
@@ -120,41 +142,3 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
           f"training again after {recovered['time'] - lost_at:.2f} s; node 1 cut off: it left after "
           f"{left_at - cut_at:.1f} s")
 
-
-def test_etcd_unreachable_and_a_job_id_that_ended_are_each_refused_in_one_line(tmp_path):
-    # A node of a 2-node job whose ETCD_ENDPOINTS no member answers at: one line after tiers.etcd's
-    # DEADLINE_S, exit 1. Then a real etcd member (on this machine's loopback), where the job's RDZV_ID has
-    # ended already (a launch that reuses an old job's name): one line, exit 2, before any process starts.
-    # Neither touches the run folder's checkpoint.
-    from harness.nodes import need
-    from harness.procs import free_port
-    from tiers.etcd import EtcdStore, prefix_of
-    run = tmp_path / "run"
-    (run / "ckpt" / "step-00000004").mkdir(parents=True)
-    (run / "ckpt" / "step-00000004" / "COMMITTED").write_text("{}")
-    before = sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*"))
-    launch = lambda endpoints: subprocess.Popen(  # noqa: E731
-        ["bash", "run.sh", "ddp", "1", "--survivors", "--run-dir", str(run), *map(str, FLAGS)], cwd=REPO, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "NNODES": "2", "NODE_RANK": "0", "RDZV_ID": "ended-job", "ETCD_ENDPOINTS": endpoints})
-    nowhere = launch(",".join(f"127.0.0.1:{free_port()}" for _ in range(3)))  # meanwhile: it waits 10 s
-    client, peer = free_port(), free_port()
-    url = lambda port: f"http://127.0.0.1:{port}"  # noqa: E731
-    member = subprocess.Popen([need("etcd", "etcd-server"), "--name", "m0", "--data-dir", tmp_path / "etcd",
-                               "--listen-client-urls", url(client), "--advertise-client-urls", url(client),
-                               "--listen-peer-urls", url(peer), "--initial-advertise-peer-urls", url(peer),
-                               "--initial-cluster", f"m0={url(peer)}"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT)
-    try:
-        EtcdStore([("127.0.0.1", client)], prefix_of("ended-job")).set("end", "1")  # (it waits for the member)
-        ended = launch(f"127.0.0.1:{client}")
-        out, _ = ended.communicate(timeout=120)
-    finally:
-        member.kill()
-        member.wait()
-    assert ended.returncode == 2 and "Traceback" not in out, out
-    assert "has ended in etcd already" in out, out
-    out, _ = nowhere.communicate(timeout=120)
-    assert nowhere.returncode == 1 and "Traceback" not in out, out
-    assert "did not answer in 10 s" in out and "start etcd's members, or check ETCD_ENDPOINTS" in out, out
-    assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before
