@@ -206,9 +206,10 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     # the warm parent SIGKILLs itself in the fork of its replacement (FT_WARM_DIES_IN_FORK), once the
     # child is the supervisor's and before it says its pid: that child exits without running (it would
     # have run beside its slot's next process: audit N7), and the replacement is a fresh interpreter,
-    # while the supervisor starts another warm parent. That one is SIGKILLed while idle, and a third
-    # started. Once it is ready, rank 0 is SIGKILLed: its replacement is forked again. The ranks kept
-    # nothing but their memory snapshots: the job ends with the weights of an uninterrupted one.
+    # while the supervisor starts another warm parent. Once that one is ready, rank 0 is SIGKILLed: its
+    # replacement is forked again; then that warm parent is SIGKILLed while idle, and the supervisor
+    # says so. The ranks kept nothing but their memory snapshots: the job ends with the weights of an
+    # uninterrupted one.
     flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]
     reference = tmp_path / "reference"
     referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
@@ -228,13 +229,13 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
         orphans.append(orphan[1])
         second = wait_for_line(proc, loaded, count=2)
         assert second and int(second[1]) != first, "no new warm parent"
-        os.kill(int(second[1]), signal.SIGKILL)
-        assert wait_for_line(proc, rf"the warm parent \(pid {second[1]}\) died \(signal 9\): new processes start as "
-                                   "fresh interpreters until another is ready"), "the supervisor never saw it die"
-        assert wait_for_line(proc, loaded, count=3), "no third warm parent"
         recovered = Watch(run).first("recovered", proc, rank=0)
         assert recovered and wait_for_step(run, recovered["step"] + 5, proc), "the job ended before the second kill"
         os.kill(metrics(run, 0, "start")[-1]["pid"], signal.SIGKILL)
+        assert wait_for_line(proc, r"slot 0 \(pid \d+, forked\): takes rank 0"), "rank 0's replacement was not forked"
+        os.kill(int(second[1]), signal.SIGKILL)
+        assert wait_for_line(proc, rf"the warm parent \(pid {second[1]}\) died \(signal 9\): new processes start as "
+                                   "fresh interpreters until another is ready"), "the supervisor never saw it die"
     orphans = []
     output = survivors_run(run, *flags, "--hang-timeout-s", 3, while_running=faults,
                            env={"FT_WARM_DIES_IN_FORK": "3"})
