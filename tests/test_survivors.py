@@ -14,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from conftest import (DROPOUT, LONG, LOOPBACK, SMALL, listening, metrics, named_on_the_network, refused, summary,
-                      torchrun, torchrun_meanwhile, wait_for_step)
+                      torchrun, wait_for_step)
 from harness import launch, procs
 from harness.metrics import Watch
 from tiers.survivors import HANG_AT_CLAIM, HANG_IN_SETTLE, PROCESS_BYTES, available_memory
@@ -186,6 +186,17 @@ def wait_for_line(proc, pattern, count=1, timeout=120):
     return None
 
 
+STEPS_300 = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]  # room for several failures in a row
+
+
+@pytest.fixture(scope="module")
+def ddp_300_reference(tmp_path_factory):
+    """The uninterrupted 2-rank job of STEPS_300 that the tests of many failures compare with."""
+    run_dir = tmp_path_factory.mktemp("ddp-300-reference")
+    torchrun(SCRIPT, 2, run_dir, *STEPS_300)
+    return run_dir
+
+
 def never_ran(pid, timeout=60):
     """Whether process `pid`, a child the supervisor does not know of, has exited (a zombie of the
     supervisor, the subreaper, until it ends; or gone), waiting up to `timeout` s for it to."""
@@ -200,7 +211,8 @@ def never_ran(pid, timeout=60):
     return False
 
 
-def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpreter_stands_in(tmp_path):
+def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpreter_stands_in(tmp_path,
+                                                                                                 ddp_300_reference):
     # Every process of the node is forked by the warm parent (harness/warm.py), which has imported torch
     # and the script: the first launch's, and each replacement. After step 10 rank 1 is SIGKILLed, and
     # the warm parent SIGKILLs itself in the fork of its replacement (FT_WARM_DIES_IN_FORK), once the
@@ -210,9 +222,6 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     # replacement is forked again; then that warm parent is SIGKILLed while idle, and the supervisor
     # says so. The ranks kept nothing but their memory snapshots: the job ends with the weights of an
     # uninterrupted one.
-    flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100"]
-    reference = tmp_path / "reference"
-    referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
     run = tmp_path / "run"
     loaded = r"supervisor: the warm parent \(pid (\d+)\) loaded in [\d.]+ s \(1 threads\)"
 
@@ -237,7 +246,7 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
         assert wait_for_line(proc, rf"the warm parent \(pid {second[1]}\) died \(signal 9\): new processes start as "
                                    "fresh interpreters until another is ready"), "the supervisor never saw it die"
     orphans = []
-    output = survivors_run(run, *flags, "--hang-timeout-s", 3, while_running=faults,
+    output = survivors_run(run, *STEPS_300, "--hang-timeout-s", 3, while_running=faults,
                            env={"FT_WARM_DIES_IN_FORK": "3"})
     # (Before, it ran and claimed rank 1 beside its replacement: "claim/1 in the job's store is not this
     # job's: ignored", a generation more, 5.8 s.)
@@ -246,51 +255,36 @@ def test_the_warm_parent_forks_each_new_process_and_when_it_dies_a_fresh_interpr
     assert re.search(r"slot 1 \(pid \d+, a fresh interpreter\): takes rank 1", output), output[-3000:]
     assert re.search(r"slot 0 \(pid \d+, forked\): takes rank 0", output), output[-3000:]
     assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [2, 2]
-    referenced()
-    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
+    assert summary(run)["param_digest"] == summary(ddp_300_reference)["param_digest"]
 
 
-def test_a_spare_that_keeps_dying_is_retired_and_the_job_trains_on(tmp_path, ddp_long_reference):
+def test_a_slot_that_keeps_dying_is_retired_if_a_spare_and_ends_the_job_after_a_save_if_a_rank(tmp_path,
+                                                                                               ddp_300_reference):
     # 2 ranks and a spare. The idle spare is SIGKILLed 4 times, each time as soon as the warm parent has
     # forked its replacement: the supervisor restarts it 3 times (MAX_RESTARTS), then retires its slot in
-    # one line, and the job trains on (before, a spare's fourth death ended the whole job, exit 1).
+    # one line, and the job trains on (before, a spare's fourth death ended the whole job, exit 1). Then
+    # rank 1's process is SIGKILLed 4 times, each time once the group has re-formed with its replacement
+    # and trained 5 steps: at slot 1's fourth death the job must end, but first, as on a preemption, its
+    # rank is taken once more and every rank saves its next step (before, the survivors were SIGKILLed
+    # mid-step, nothing saved). The job exits 1 (a failure: no requeue), and run again resumes from that
+    # step with the weights of an uninterrupted job.
     run = tmp_path / "run"
     loaded = r"supervisor: the warm parent \(pid (\d+)\) loaded in"
-
-    def kill_the_spare(proc):
-        assert wait_for_step(run, 5, proc), "the job ended before step 5"
-        warm, killed = int(wait_for_line(proc, loaded)[1]), set()
-        ranks = {metrics(run, r, "start")[-1]["pid"] for r in (0, 1)}
-        for _ in range(4):
-            spare = set()
-            while not spare and proc.poll() is None:  # the supervisor's child that holds no rank, not yet killed
-                spare = set(procs.children(proc.pid)) - {warm} - ranks - killed  # (forked twice: the supervisor's)
-                time.sleep(0.01)  # polling /proc for the fork, not waiting for a moment
-            assert len(spare) == 1, f"the spare was never forked again ({spare})"
-            os.kill(*spare, signal.SIGKILL)
-            killed |= spare
-        assert wait_for_line(proc, r"supervisor: slot 2, a spare, failed 4 times \(signal 9\): retired; the job "
-                                   "trains on without it"), "the spare's slot was not retired before the job ended"
-    output = survivors_run(run, *LONG, spares=1, while_running=kill_the_spare)
-    assert "ending the job" not in output
-    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [1, 1] and summary(run)["generation"] == 0
-    assert summary(run)["param_digest"] == summary(ddp_long_reference)["param_digest"]
-
-
-def test_a_rank_that_keeps_dying_ends_the_job_once_its_step_is_saved_and_a_run_again_resumes_bitwise(tmp_path):
-    # 2 ranks, no spare. Rank 1's process is SIGKILLed 4 times, each time once the group has re-formed
-    # with its replacement and trained 5 steps: the supervisor starts slot 1 again 3 times (MAX_RESTARTS);
-    # at its fourth death the job must end, but first, as on a preemption, its rank is taken once more and
-    # every rank saves its next step (before, the survivors were SIGKILLed mid-step, nothing saved). The
-    # job exits 1 (a failure: no requeue), and run again resumes from that step with the weights of an
-    # uninterrupted job.
-    flags = [*SMALL, *DROPOUT, "--steps", "300", "--save-every", "100", "--hang-timeout-s", "3"]
-    reference = tmp_path / "reference"
-    referenced = torchrun_meanwhile(SCRIPT, 2, reference, *flags)  # (nothing here is timed)
-    run = tmp_path / "run"
-    cmd, env = launch.survivors_job(SCRIPT, 2, run, flags, 0)
+    cmd, env = launch.survivors_job(SCRIPT, 2, run, [*STEPS_300, "--hang-timeout-s", "3"], 1)
     job = procs.start(cmd, env, tmp_path / "job.log")
-    assert wait_for_step(run, 10, job), "the job ended before step 10"
+    assert wait_for_step(run, 5, job), "the job ended before step 5"
+    warm, killed = int(wait_for_line(job, loaded)[1]), set()
+    ranks = {metrics(run, r, "start")[-1]["pid"] for r in (0, 1)}
+    for _ in range(4):
+        spare = set()
+        while not spare and job.poll() is None:  # the supervisor's child that holds no rank, not yet killed
+            spare = set(procs.children(job.pid)) - {warm} - ranks - killed  # (forked twice: the supervisor's)
+            time.sleep(0.01)  # polling /proc for the fork, not waiting for a moment
+        assert len(spare) == 1, f"the spare was never forked again ({spare})"
+        os.kill(*spare, signal.SIGKILL)
+        killed |= spare
+    assert wait_for_line(job, r"supervisor: slot 2, a spare, failed 4 times \(signal 9\): retired; the job "
+                              "trains on without it"), "the spare's slot was not retired before the job ended"
     for kill in range(4):
         if kill:
             recovered = Watch(run).until(lambda e: e["event"] == "recovered" and e["rank"] == 0
@@ -304,11 +298,11 @@ def test_a_rank_that_keeps_dying_ends_the_job_once_its_step_is_saved_and_a_run_a
            in output, output[-3000:]
     saved = re.search(r"the job ends \(its supervisor says why\): step (\d+) saved, exiting", output)
     assert saved and "supervisor: the job saved its step and ends (exit 1): slot 1 failed 4 times" in output
-    assert int(saved[1]) < 100 and int(saved[1]) >= last - 1 and len(metrics(run, 1, "start")) == 5
-    again = survivors_run(run, *flags)
+    assert int(saved[1]) < 100 and int(saved[1]) >= last - 1
+    assert [len(metrics(run, rank, "start")) for rank in (0, 1)] == [1, 5]
+    again = survivors_run(run, *STEPS_300)
     assert f"resuming from step {saved[1]}" in again, again[-3000:]
-    referenced()
-    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
+    assert summary(run)["param_digest"] == summary(ddp_300_reference)["param_digest"]
 
 
 @pytest.mark.parametrize("flags, message", [
