@@ -628,8 +628,12 @@ class Supervisor:
             for proc in self.procs.values():  # the others finish as they will; spares leave on "end"
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(60, self.fence_s * 4))
-            statuses = [p.poll() for slot, p in self.procs.items() if slot not in self.retired]
-            code = next((1 if s is None else s for s in statuses if s != 0), 0)  # None: still running, killed
+            statuses = {slot: p.poll() for slot, p in self.procs.items() if slot not in self.retired}
+            code = next((1 if s is None else s for s in statuses.values() if s != 0), 0)  # None: still running, killed
+            if code not in (0, PREEMPTED):  # which process made it so, in one line
+                print("supervisor: the job ends in failure: " + ", ".join(
+                    f"slot {slot} {'still running (killed)' if s is None else f'exited {s}'}"
+                    for slot, s in statuses.items() if s != 0), flush=True)
             if code == PREEMPTED and not self.signalled and self.store.check([STOP]):  # saved, not for a restart
                 print(f"supervisor: the job saved its step and ends (exit 1): {self.store.get(STOP).decode()}",
                       flush=True)
