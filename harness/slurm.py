@@ -241,6 +241,20 @@ def batch_file(run_dir, steps, extra="", name="slurm.sbatch"):
                     f"--run-dir {where}".replace("  ", " "), text)
 
 
+def unexplained_tracebacks(text):
+    """How many Tracebacks a job's log has beyond torchrun's agent's own on TERM: each agent raises
+    SignalException when Slurm TERMs its step, and prints it. The agent may get a second TERM (Slurm signals
+    every process of the step, and srun passes the TERM on too) while it logs that it passes the first to its
+    workers; Python's logging then prints the interrupted call as a "--- Logging error ---" block, whatever
+    the exception it caused (seen in CI: an AttributeError in pathlib), and the agent goes on. Such a block
+    counts as the agent's only if a SignalException is in it."""
+    def agents(block):
+        return "" if "SignalException: Process" in block.group(0) else block.group(0)
+    text = re.sub(r"--- Logging error ---\n.*?\nArguments: [^\n]*\n", agents, text, flags=re.S)
+    signals = len(re.findall(r"SignalException: Process \d+ got signal: 15", text))
+    return text.count("Traceback (most recent call last)") - signals
+
+
 class Check:
     """The checks' common ground: a job submitted, its problems collected (one line each)."""
 
@@ -278,8 +292,7 @@ class Check:
         """No scancel error, and no Traceback but torchrun's agent's own on the TERM it gets with its workers."""
         text = job.text()
         self.expect("scancel: error" not in text, f"job {job.id}: its log has 'scancel: error'")
-        agents = len(re.findall(r"SignalException: Process \d+ got signal: 15", text))
-        self.expect(text.count("Traceback (most recent call last)") == agents,
+        self.expect(not unexplained_tracebacks(text),
                     f"job {job.id}: its log has a Traceback (not torchrun's SignalException on TERM)")
 
     def no_snapshots(self, job, when):

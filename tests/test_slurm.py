@@ -1,5 +1,6 @@
 """The cluster launch file docs/nodes.md gives (docs/slurm.sbatch), against stand-ins for Slurm's commands
-that behave as Slurm 22.05 does: it saves the step and requeues only when Slurm does not end the job."""
+that behave as Slurm 22.05 does: it saves the step and requeues only when Slurm does not end the job. And
+what `bash run.sh slurm` forgives in a real job's log."""
 import os
 import signal
 import subprocess
@@ -79,3 +80,41 @@ def test_the_readme_slurm_file_saves_the_step_and_requeues_only_when_slurm_does_
         batch.kill(), batch.wait()  # reaped, so that a retrying stand-in scancel sees it gone
     assert ((state / "log").read_text().splitlines() if (state / "log").exists() else []) == log
     assert (state / "node_rank").read_text() == "1\n"  # each node's run.sh told its node's number
+
+
+# The log of CI's cancel check at a9bdf4b (job 2, its stack frames cut): torchrun's agent (22063) got a second
+# TERM while it logged that it passes the first to its workers, and logging printed what that interrupted.
+AGENTS_ON_TERM = """saved step 10 (1.7 MiB, blocking 57 ms, total 57 ms)
+slurmstepd-node0: error: *** STEP 2.0 ON node0 CANCELLED AT 2026-12-05T10:14:00 ***
+--- Logging error ---
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 22063 got signal: 15
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+AttributeError: 'PosixPath' object has no attribute '_str'
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 22063 got signal: 15
+Call stack:
+Message: 'Sending process %s closing signal %s'
+Arguments: (22088, 'SIGTERM')
+saved step 21 (1.7 MiB, blocking 191 ms, total 191 ms)
+preempted (SIGTERM or SIGUSR1): step 21 saved, exiting for a restart
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 22064 got signal: 15
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 22063 got signal: 15
+"""
+
+
+def test_the_slurm_checks_forgive_torchruns_own_tracebacks_on_term_and_nothing_else():
+    from harness.slurm import unexplained_tracebacks
+    assert unexplained_tracebacks(AGENTS_ON_TERM) == 0
+    ours = "Traceback (most recent call last):\nRuntimeError: a rank's own failure\n"
+    assert unexplained_tracebacks(AGENTS_ON_TERM + ours) == 1
+    not_a_signal = AGENTS_ON_TERM.replace("SignalException: Process 22063", "OSError: Process 22063", 2)
+    assert unexplained_tracebacks(not_a_signal) == 3  # a logging error with no signal in it: its 3 Tracebacks
