@@ -92,8 +92,9 @@ def drawn_plan(kinds, strategies, rng):
         strategy = min(choices, key=lambda s: (used[s], rng.random()))
         used[strategy] += 1
         yield strategy, kind
+    usable = [s for s in strategies if any(s in ss for _, ss in pairs)]  # (rpc has no kind on real nodes)
     while True:
-        strategy = rng.choice(strategies)
+        strategy = rng.choice(usable)
         yield strategy, rng.choice([k for k, ss in pairs if strategy in ss])
 
 
@@ -180,6 +181,8 @@ def main(argv=None):
     bad = [s for s in strategies + [s for s, _ in planned] if s not in STRATEGIES]
     bad += [k for k in kinds + [k for _, k in planned] if k not in FAULTS]
     bad += [f"{k}:{s}" for s, k in planned if s in STRATEGIES and k in FAULTS and s not in FAULTS[k].strategies]
+    if not bad and not planned and not any(s in FAULTS[k].strategies for s in strategies for k in kinds):
+        bad = [f"the kinds {', '.join(kinds)} on {', '.join(strategies)}"]
     if bad:
         p.error(f"unknown or inapplicable: {', '.join(bad)}")
     if args.trials < 1 or args.jobs < 1 or args.ranks < 1 or BATCH % args.ranks:

@@ -91,3 +91,16 @@ def test_the_faults_fired_from_inside_are_the_faulted_jobs_ft_faults_alone(tmp_p
     with pytest.raises(SystemExit):  # finish() above: the reference hung
         chaos_faults.reference("ddp", 2, tmp_path)
     assert "FT_FAULTS" not in launched[-1][1]
+
+
+def test_a_drawn_soak_takes_only_the_strategies_a_kind_applies_to(capsys):
+    """--nodes with every strategy: rpc has no kind on real nodes, so no trial draws it (it raised
+    IndexError once the first round was over); a choice with no kind at all is refused in one line."""
+    drawn = chaos.drawn_plan(chaos.NODE_KINDS, list(chaos.STRATEGIES), random.Random(3))
+    trials = [next(drawn) for _ in range(5 * len(chaos.NODE_KINDS))]
+    assert all(strategy in FAULTS[kind].strategies for strategy, kind in trials)
+    assert {kind for _, kind in trials} == set(chaos.NODE_KINDS)
+    with pytest.raises(SystemExit) as exit_:
+        chaos.main(["--nodes", "--strategies", "rpc"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().startswith(
+        "bash run.sh chaos: error: unknown or inapplicable: the kinds ")
