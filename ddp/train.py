@@ -106,6 +106,9 @@ def check(cfg):
     if os.environ.get("FT_FAULTS"):  # the tests' faults (tiers/faults.py)
         from tiers.faults import fault_problems
         problems += fault_problems("ddp")
+    if cfg.light_every:  # the weights alone (tiers/light.py, opened in main()): a copy without it gets one line
+        with needs("--light-every"):
+            import tiers.light  # noqa: F401
     if cfg.data or cfg.val_data:  # token files (tiers/tokens.py)
         with needs("--data"):
             from tiers.tokens import data_problems

@@ -66,6 +66,11 @@ def test_a_script_copied_with_common_alone_resumes_a_run_bitwise(script, referen
     assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
     assert plain.stderr.endswith("error: --snapshot-every needs tiers/, which is not here: copy it with the script, or "
                                  "run with --snapshot-every 0 (see --help)\n"), plain.stderr
+    light = subprocess.run([sys.executable, core / script, "--run-dir", tmp_path / "other", "--snapshot-every", "0",
+                            "--light-every", "5"], capture_output=True, text=True, timeout=120)
+    assert light.returncode == 2 and light.stderr.endswith(
+        "error: --light-every needs tiers/, which is not here: copy it with the script, or run without --light-every "
+        "(see --help)\n") and light.stderr.count("\n") == 1, light.stderr
     assert not (tmp_path / "other").exists()
     # The memory tier's flag off; no --data (no token file), no fault flag.
     resumed = torchrun(core / script, 2, run_dir, *SMALL, *DROPOUT, "--snapshot-every", "0")  # no restart, no traceback
