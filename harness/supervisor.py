@@ -546,11 +546,17 @@ class Supervisor:
                 # Once signalled (a preemption, a cancel), the ranks save and end with no control plane: under
                 # Slurm, etcd's members may be cancelled with them (docs/slurm-survivors.sbatch).
                 steady = not self.signalled
-                if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1 and steady:
-                    self.beat()
-                if self.etcd and steady:
-                    self.elect(rounds)
-                code = self.round(fence=rounds % BEAT_ROUNDS == 0 and steady)  # deaths every 5 ms, hangs every 0.1 s
+                try:
+                    if rounds % BEAT_ROUNDS == 0 and self.nnodes > 1 and steady:
+                        self.beat()
+                    if self.etcd and steady:
+                        self.elect(rounds)
+                    code = self.round(fence=rounds % BEAT_ROUNDS == 0 and steady)  # deaths every 5 ms, hangs every 0.1 s
+                except (StoreLost, RuntimeError):  # (RuntimeError: DistNetworkError)
+                    if not self.signalled:
+                        raise
+                    # A signal came during a call to etcd, whose members it may have ended: given up, and
+                    # no other made (seen in `bash run.sh slurm`'s cancel-etcd check: a fence's read).
                 time.sleep(POLL_S)
         except StoreLost as e:
             self.lost_store(e)
