@@ -295,6 +295,15 @@ class Check:
         self.expect(not unexplained_tracebacks(text),
                     f"job {job.id}: its log has a Traceback (not torchrun's SignalException on TERM)")
 
+    def summary(self, job, **expected):
+        """summary.json holds the `expected` fields (steps=30, world_size=2, ...), one line if not."""
+        path = job.run_dir / "summary.json"
+        if self.expect(path.exists(), f"job {job.id}: no summary.json"):
+            got = json.loads(path.read_text())
+            self.expect({k: got.get(k) for k in expected} == expected, f"job {job.id}: summary.json has "
+                        + ", ".join(f"{k} {got.get(k)}" for k in expected) + "; expected "
+                        + ", ".join(f"{k} {v}" for k, v in expected.items()))
+
     def no_snapshots(self, job, when):
         for k in range(NODES):
             left = self.slurm.snapshots_on(k)
@@ -319,12 +328,7 @@ def survivors(check):
     steps = 30
     job = check.submit("survivors", steps, "--survivors --spares 1 --hang-timeout-s 5 ")
     check.ended(job, "COMPLETED", "0:0", 0)
-    summary = job.run_dir / "summary.json"
-    if check.expect(summary.exists(), f"job {job.id}: no summary.json"):
-        got = json.loads(summary.read_text())
-        check.expect((got.get("steps"), got.get("world_size")) == (steps, NODES),
-                     f"job {job.id}: summary.json has step {got.get('steps')} at world size {got.get('world_size')}, "
-                     f"expected {steps} at {NODES}")
+    check.summary(job, steps=steps, world_size=NODES)
     for k in range(NODES):  # the supervisor's line, from each node's NODE_RANK
         check.expect(f"spares on node {k} of {NODES}" in job.text(), f"job {job.id}: no node said it was node {k}")
     check.clean_log(job)
@@ -356,11 +360,7 @@ def requeue(check, name, how):
     step = check.preempted(job)
     check.expect(step is not None and f"resuming from step {step}" in job.text(),
                  f"job {job.id}: saved step {step}, the rerun did not resume from it")
-    summary = job.run_dir / "summary.json"
-    got = json.loads(summary.read_text()) if summary.exists() else {}
-    check.expect(got.get("steps") == steps and got.get("resumed_from_step") == step,
-                 f"job {job.id}: summary.json has step {got.get('steps')}, resumed from {got.get('resumed_from_step')}"
-                 f", expected {steps} from {step}")
+    check.summary(job, steps=steps, resumed_from_step=step)
     check.clean_log(job)
     check.no_snapshots(job, "after it finished")
 
@@ -404,11 +404,7 @@ def survivors_etcd(check):
     check.ended(job, "COMPLETED", "0:0", 0)
     logs = node_logs(check, job)
     check.expect("the job's control plane in etcd" in "".join(logs.values()), f"job {job.id}: no node used etcd")
-    summary = job.run_dir / "summary.json"
-    got = json.loads(summary.read_text()) if summary.exists() else {}
-    check.expect((got.get("steps"), got.get("world_size"), got.get("generation")) == (steps, 3, 0),
-                 f"job {job.id}: summary.json has step {got.get('steps')} at world size {got.get('world_size')}, "
-                 f"generation {got.get('generation')}; expected {steps} at 3, generation 0")
+    check.summary(job, steps=steps, world_size=3, generation=0)
     left = [p.name for p in tmp.glob("etcd-*")]
     check.expect(not left, f"job {job.id}: etcd's data left: {', '.join(left)}")
     for k in (1, 2, 3):
@@ -453,11 +449,7 @@ def node0_lost(check):
                  "CANCELLED (by the nodes left, once done)")
     said = "".join(node_logs(check, job, lost=0).values())
     check.expect("lost with node 0 (its lease in etcd lapsed" in said, f"job {job.id}: no node said node 0 was lost")
-    summary = job.run_dir / "summary.json"
-    got = json.loads(summary.read_text()) if summary.exists() else {}
-    check.expect((got.get("steps"), got.get("world_size"), got.get("generation")) == (steps, nodes, 1),
-                 f"job {job.id}: summary.json has step {got.get('steps')} at world size {got.get('world_size')}, "
-                 f"generation {got.get('generation')}; expected {steps} at {nodes}, generation 1")
+    check.summary(job, steps=steps, world_size=nodes, generation=1)
     recovered = [e for e in Watch(job.run_dir).poll() if e["event"] == "recovered" and e["time"] > host["lost_at"]]
     again_s = min((e["time"] for e in recovered), default=float("inf")) - host["lost_at"]
     # (--hang-timeout-s + 5 s is tests/test_etcd.py's bound; here, beside Slurm's daemons and etcd on 2 cores,
