@@ -217,12 +217,14 @@ class Job:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def said(self):
-        """The log's lines but step lines, a stack's frames and torch's warnings: what the job said."""
+        """The log's lines but step lines, a stack's frames (Python's, and c10's of a C++ exception) and
+        torch's warnings: what the job said."""
         return self.said_in(self.text())
 
     @staticmethod
     def said_in(text):
-        return [line for line in text.splitlines() if not re.match(r"step +\d| +|\[?W\d{4} ", line)]
+        return [line for line in text.splitlines()
+                if not re.match(r"step +\d| +|\[?W\d{4} |frame #\d+: |<omitting python frames>|Exception raised from ", line)]
 
 
 def batch_file(run_dir, steps, extra="", name="slurm.sbatch"):
