@@ -243,18 +243,36 @@ def batch_file(run_dir, steps, extra="", name="slurm.sbatch"):
                     f"--run-dir {where}".replace("  ", " "), text)
 
 
+def chains(text):
+    """The chains of exceptions a log holds, each the list of its exceptions' lines, first to last: its
+    Tracebacks joined by "During handling of the above exception" or "The above exception was the direct
+    cause"."""
+    found, linked = [], False  # linked: the next Traceback goes on with the last chain
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            if not linked:
+                found.append([])
+            linked = False
+            found[-1].append(next((frame for frame in lines if frame and not frame.startswith(" ")), ""))
+        elif line.startswith(("During handling of the above exception", "The above exception was the direct cause")):
+            linked = bool(found)
+        elif line.strip():
+            linked = False
+    return found
+
+
+AGENT_ON_TERM = re.compile(r"torch\.distributed\.elastic\.multiprocessing\.api\.SignalException: Process \d+ got signal: 15")
+
+
 def unexplained_tracebacks(text):
-    """How many Tracebacks a job's log has beyond torchrun's agent's own on TERM: each agent raises
-    SignalException when Slurm TERMs its step, and prints it. The agent may get a second TERM (Slurm signals
-    every process of the step, and srun passes the TERM on too) while it logs that it passes the first to its
-    workers; Python's logging then prints the interrupted call as a "--- Logging error ---" block, whatever
-    the exception it caused (seen in CI: an AttributeError in pathlib), and the agent goes on. Such a block
-    counts as the agent's only if a SignalException is in it."""
-    def agents(block):
-        return "" if "SignalException: Process" in block.group(0) else block.group(0)
-    text = re.sub(r"--- Logging error ---\n.*?\nArguments: [^\n]*\n", agents, text, flags=re.S)
-    signals = len(re.findall(r"SignalException: Process \d+ got signal: 15", text))
-    return text.count("Traceback (most recent call last)") - signals
+    """How many chains of exceptions a job's log has beyond torchrun's agent's own on TERM: each agent
+    raises SignalException when Slurm TERMs its step, and prints it. Slurm signals every process of the
+    step, and srun passes the TERM on too, so an agent may get a second TERM while it handles the first;
+    the exception that interrupts then sits between the two (seen: KeyError in logging's cache, and
+    AttributeError in pathlib inside a "--- Logging error ---" block). A chain that begins and ends with
+    the agent's SignalException is the agent's."""
+    return sum(1 for chain in chains(text) if not (AGENT_ON_TERM.match(chain[0]) and AGENT_ON_TERM.match(chain[-1])))
 
 
 class Check:

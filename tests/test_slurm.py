@@ -116,5 +116,19 @@ def test_the_slurm_checks_forgive_torchruns_own_tracebacks_on_term_and_nothing_e
     assert unexplained_tracebacks(AGENTS_ON_TERM) == 0
     ours = "Traceback (most recent call last):\nRuntimeError: a rank's own failure\n"
     assert unexplained_tracebacks(AGENTS_ON_TERM + ours) == 1
-    not_a_signal = AGENTS_ON_TERM.replace("SignalException: Process 22063", "OSError: Process 22063", 2)
-    assert unexplained_tracebacks(not_a_signal) == 3  # a logging error with no signal in it: its 3 Tracebacks
+    not_a_signal = AGENTS_ON_TERM.replace("torch.distributed.elastic.multiprocessing.api.SignalException: Process "
+                                          "22063", "OSError: Process 22063", 1)
+    assert unexplained_tracebacks(not_a_signal) == 1  # a chain that does not begin with the agent's signal
+    # CI at 3227afd, usr1's job: the second TERM came in logging's cache, outside a logging error.
+    in_the_handler = ("Traceback (most recent call last):\n"
+                      "torch.distributed.elastic.multiprocessing.api.SignalException: Process 22826 got signal: 15\n\n"
+                      "During handling of the above exception, another exception occurred:\n\n"
+                      "Traceback (most recent call last):\n"
+                      '  File "/usr/lib/python3.11/logging/__init__.py", line 1742, in isEnabledFor\n'
+                      "    return self._cache[level]\nKeyError: 30\n\n"
+                      "During handling of the above exception, another exception occurred:\n\n"
+                      "Traceback (most recent call last):\n"
+                      "torch.distributed.elastic.multiprocessing.api.SignalException: Process 22826 got signal: 15\n")
+    assert unexplained_tracebacks(in_the_handler) == 0
+    ended_by_another = in_the_handler[:in_the_handler.rindex("\n\nDuring handling")] + "\n"  # the KeyError ends it
+    assert unexplained_tracebacks(ended_by_another) == 1
