@@ -243,36 +243,22 @@ def batch_file(run_dir, steps, extra="", name="slurm.sbatch"):
                     f"--run-dir {where}".replace("  ", " "), text)
 
 
-def chains(text):
-    """The chains of exceptions a log holds, each the list of its exceptions' lines, first to last: its
-    Tracebacks joined by "During handling of the above exception" or "The above exception was the direct
-    cause"."""
-    found, linked = [], False  # linked: the next Traceback goes on with the last chain
-    lines = iter(text.splitlines())
-    for line in lines:
-        if line.startswith("Traceback (most recent call last)"):
-            if not linked:
-                found.append([])
-            linked = False
-            found[-1].append(next((frame for frame in lines if frame and not frame.startswith(" ")), ""))
-        elif line.startswith(("During handling of the above exception", "The above exception was the direct cause")):
-            linked = bool(found)
-        elif line.strip():
-            linked = False
-    return found
-
-
 AGENT_ON_TERM = re.compile(r"torch\.distributed\.elastic\.multiprocessing\.api\.SignalException: Process \d+ got signal: 15")
+EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")  # a Traceback's last line
 
 
 def unexplained_tracebacks(text):
-    """How many chains of exceptions a job's log has beyond torchrun's agent's own on TERM: each agent
-    raises SignalException when Slurm TERMs its step, and prints it. Slurm signals every process of the
-    step, and srun passes the TERM on too, so an agent may get a second TERM while it handles the first;
-    the exception that interrupts then sits between the two (seen: KeyError in logging's cache, and
-    AttributeError in pathlib inside a "--- Logging error ---" block). A chain that begins and ends with
-    the agent's SignalException is the agent's."""
-    return sum(1 for chain in chains(text) if not (AGENT_ON_TERM.match(chain[0]) and AGENT_ON_TERM.match(chain[-1])))
+    """How many Tracebacks a job's log has beyond torchrun's agent's own on TERM: each agent raises
+    SignalException when Slurm TERMs its step, and prints it. Slurm signals every process of the step,
+    and srun passes the TERM on too, so an agent may get a second TERM while it handles the first: the
+    exception that it interrupts is printed between the two (seen: KeyError in logging's cache, and
+    AttributeError in pathlib inside a "--- Logging error ---" block), and is forgiven if the exceptions
+    just before and after it are the agent's. Counted, not parsed as chains: the two agents' Tracebacks
+    may interleave line by line."""
+    raised = [line for line in text.splitlines() if EXCEPTION.match(line)]
+    signals = [bool(AGENT_ON_TERM.match(line)) for line in raised]
+    interrupted = sum(1 for k in range(1, len(raised) - 1) if not signals[k] and signals[k - 1] and signals[k + 1])
+    return text.count("Traceback (most recent call last)") - sum(signals) - interrupted
 
 
 class Check:

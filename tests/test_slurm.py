@@ -118,7 +118,7 @@ def test_the_slurm_checks_forgive_torchruns_own_tracebacks_on_term_and_nothing_e
     assert unexplained_tracebacks(AGENTS_ON_TERM + ours) == 1
     not_a_signal = AGENTS_ON_TERM.replace("torch.distributed.elastic.multiprocessing.api.SignalException: Process "
                                           "22063", "OSError: Process 22063", 1)
-    assert unexplained_tracebacks(not_a_signal) == 1  # a chain that does not begin with the agent's signal
+    assert unexplained_tracebacks(not_a_signal) == 2  # not the agent's: the OSError, and so what it interrupted
     # CI at 3227afd, usr1's job: the second TERM came in logging's cache, outside a logging error.
     in_the_handler = ("Traceback (most recent call last):\n"
                       "torch.distributed.elastic.multiprocessing.api.SignalException: Process 22826 got signal: 15\n\n"
@@ -132,3 +132,8 @@ def test_the_slurm_checks_forgive_torchruns_own_tracebacks_on_term_and_nothing_e
     assert unexplained_tracebacks(in_the_handler) == 0
     ended_by_another = in_the_handler[:in_the_handler.rindex("\n\nDuring handling")] + "\n"  # the KeyError ends it
     assert unexplained_tracebacks(ended_by_another) == 1
+    # The two agents' Tracebacks interleaved line by line (cancel's job, here at 75a216f).
+    signal = "torch.distributed.elastic.multiprocessing.api.SignalException: Process {} got signal: 15\n"
+    interleaved = ("Traceback (most recent call last):\nTraceback (most recent call last):\n" + signal.format(757)
+                   + signal.format(756) + "srun: error: node0: task 0: Exited with exit code 143\n")
+    assert unexplained_tracebacks(interleaved) == 0
