@@ -171,14 +171,18 @@ def run_dir_in_use(run_dir, job=None):
     """Why a new job must not start in `run_dir` (a running job holds its lock), or None. Checked once,
     before the workers start (harness/launch.py): a worker would see its own rank 0's lock. `job`: the
     rendezvous id of a node joining a job of several nodes, which passes if it is the holder's."""
-    from common.rundir import lock_run_dir
+    import fcntl
     if not (Path(run_dir) / ".lock").exists():
         return None
-    lock = lock_run_dir(run_dir)
-    if lock is not None:
-        lock.close()
-        return None
-    holder = (Path(run_dir) / ".lock").read_text().strip() or "another process"
+    # A shared lock, read only: another node's preflight, testing at the same moment, is no holder (an
+    # exclusive test by each node refused one of them, its holder's line not yet written), and the
+    # holder's line is never truncated. Only a job's rank 0 holds the lock exclusively (common.rundir).
+    with os.fdopen(os.open(Path(run_dir) / ".lock", os.O_RDONLY | os.O_NOFOLLOW)) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            holder = f.read().strip() or "another process"
     if job is not None and holder.rpartition(", job ")[2] == job:  # a node of the running job: it joins it
         return None
     return (f"--run-dir {run_dir} is in use by another job ({holder} holds its .lock): "
