@@ -176,11 +176,27 @@ def set_collective_timeout(seconds, group=None):
     setter(datetime.timedelta(seconds=seconds), group)
 
 
-def exit_without_finalizing():
-    """End without finalization, where gloo's threads may SIGABRT (pytorch PR 179291): torchrun would see a crash."""
+def exit_without_finalizing(code=0):
+    """End with `code` without finalization, where gloo's threads may SIGABRT (pytorch PR 179291): torchrun or
+    the supervisor would see a crash (signal 6). A message for a code is printed and exits 1, as Python does."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code or 0)
+
+
+@contextlib.contextmanager
+def ending_without_finalizing():
+    """A script's end, at its last line or by SystemExit (a preemption's 143, a lost peer's 1, a stop's line),
+    through exit_without_finalizing. Any other exception keeps its traceback."""
+    try:
+        yield
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    exit_without_finalizing(code)
 
 
 # What gloo's and NCCL's errors say when a peer died or hung, which torchrun answers by a restart.

@@ -43,7 +43,7 @@ from common.checkpoint import atomic_save, atomic_write_json, newest_resume_prob
 from common.config import (AT_LEAST_ONE, HANG, HOURS, NON_NEGATIVE, POSITIVE, SHARED_RANGES, fail, flag_problems,
                            needs, parse_config)
 from common.data import StepData, eval_batches, lr_at
-from common.dist import (StepGuard, device_problems, exit_without_finalizing, peer_loss_in_one_line, print0, restarts,
+from common.dist import (StepGuard, device_problems, ending_without_finalizing, peer_loss_in_one_line, print0, restarts,
                          setup, teardown)
 from common.model import (PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params,
                           num_params_of)
@@ -385,6 +385,5 @@ def main(cfg):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, check, presets=PRESETS)
-    with peer_loss_in_one_line(cfg.run_dir):  # one line here, the traceback in a file
-        main(cfg)
-    exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist
+    with ending_without_finalizing(), peer_loss_in_one_line(cfg.run_dir):  # one line here, the traceback in a file
+        main(cfg)  # and no finalization after, where gloo may abort the process: see common.dist

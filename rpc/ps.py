@@ -59,7 +59,7 @@ from common.checkpoint import atomic_write_json, newest_resume_problem, param_di
 from common.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, SECONDS, SHARED_RANGES, flag_problems, needs,
                            parse_config)
 from common.data import StepData
-from common.dist import (device_problems, exit_without_finalizing, keep_on_loopback, loopback_store, pick_device,
+from common.dist import (device_problems, ending_without_finalizing, keep_on_loopback, loopback_store, pick_device,
                          print0, refuse_unsafe_restarts, restarts)
 from common.model import PRESETS, SHAPE_FIELDS, Transformer, model_config, model_problems, num_params
 from common.monitor import Monitor, memory, mfu, peak_flops_problems, state_bytes
@@ -349,5 +349,6 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, check, presets=PRESETS))
-    exit_without_finalizing()  # gloo may abort the process in the interpreter's finalization: see common.dist
+    cfg = parse_config(Config, check, presets=PRESETS)
+    with ending_without_finalizing():  # no finalization, where gloo may abort the process: see common.dist
+        main(cfg)
