@@ -15,7 +15,7 @@ from conftest import run_sh
 # a timeout of its own too). sigstop comes first: it mostly waits (its peer's timeout; the peer then
 # SIGKILLs it, where torchrun would wait 30 s) while the other slot of --jobs 2 runs the rest. The others
 # have tests of their own in the suite, and `bash run.sh chaos` runs them all: node-lost (test_scaleout.py;
-# --survivors: test_survivors.py), preempt and crash-at-step (test_ddp.py's preemption and docstring-launch
+# --survivors: test_etcd.py), preempt and crash-at-step (test_ddp.py's preemption and docstring-launch
 # tests), crash-in-save
 # (test_ddp.py, test_rpc.py), async-in-flight (test_fsdp.py), damage-newest (test_ddp.py's truncated
 # checkpoint), sigkill (test_compare.py's goodput test kills a worker under torchrun); two-faults, a

@@ -1,8 +1,8 @@
 """Several nodes of one job, each a real node (harness/nodes.py: its own network namespace, address and
 /dev/shm; the run folder on this machine's disk is their shared storage), launched through run.sh as a
 cluster user launches them: torchrun's agents meeting at one c10d rendezvous (a fixed pair; an elastic
-job that loses a node, and one that gains one), and the survivors' supervisors (a node lost whole, a
-stalled link, the node of rank 0 and the job's store cut off)."""
+job that loses a node, and one that gains one), and the survivors' supervisors (a stalled link, the node of
+rank 0 and the job's store cut off; a node lost whole: test_etcd.py, and `bash run.sh slurm`)."""
 import shutil
 import signal
 import time
@@ -118,38 +118,6 @@ def process_story(run_dir, rank):
     return [e["pid"] for e in metrics(run_dir, rank, "start")], metrics(run_dir, rank, "recovered")
 
 
-def test_a_node_lost_whole_leaves_its_rank_to_a_spare_of_the_other_node_with_its_shards_from_the_replica(
-        tmp_path, cluster):
-    # Two nodes of one FSDP rank (--survivors), node 0 with a spare. After step 20 node 1 is lost whole,
-    # its memory with it. Rank 0 keeps its process; node 0's supervisor, finding node 1 silent for
-    # --hang-timeout-s, gives rank 1 to its spare, which takes rank 1's shards and RNG from the replica
-    # rank 0 kept (the memory tier's, across nodes) and its step from the step rank 0 restores: the job
-    # ends with an uninterrupted job's weights.
-    script, flags = "fsdp/train.py", [*LONG, "--hang-timeout-s", 2]  # the first disk save at step 60
-    reference = tmp_path / "reference"
-    run = tmp_path / "run"
-    first, _ = (node_of(cluster, k, "fsdp", 1, run, ["--survivors", "--spares", 1 - k, *flags], 2,
-                        tmp_path / f"node{k}.log") for k in (0, 1))
-    assert wait_for_step(run, 20, first), "the job ended before step 20: the node was never lost"
-    cluster.kill(1)
-    lost_at = time.time()
-    referenced = torchrun_meanwhile(script, 2, reference, *LONG)  # while node 0 finds node 1 silent
-    code, output, hung = finish(first, lost_at + 120)
-    assert code == 0 and not hung and "Traceback" not in output, output[-5000:]
-    assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 2 s)" in output
-    assert "ranks [1] had none (a replaced node): their records from the replicas, their shards from the ranks" \
-           " that kept them" in output
-    survivor, recovered = process_story(run, 0)
-    assert len(survivor) == 1 and [e["pid"] for e in recovered] == survivor
-    spare = metrics(run, 1, "start")[-1]
-    assert spare["launched_at"] < lost_at and [e["step"] for e in metrics(run, 1, "load")] == [recovered[0]["step"]]
-    # A node lost whole takes the replica of its last step with it while it is in flight (sent during the
-    # next step): the job goes on from the step before it at worst.
-    assert recovered[0]["step"] >= max(e["step"] for e in metrics(run, 0, "step") if e["time"] < lost_at) - 2
-    referenced()
-    assert summary(run)["param_digest"] == summary(reference)["param_digest"]
-
-
 def test_a_stalled_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_training(tmp_path, cluster):
     # Two nodes of one FSDP rank (--survivors), a spare on each. After step 20 every TCP packet of node 1
     # but the job's store's is dropped, until a generation fails: a collective stalls past
@@ -157,10 +125,13 @@ def test_a_stalled_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_tra
     # form the next generation (a false alarm): no process replaced, the memory tier still on. (A random
     # loss, 20 % of every packet, made one now and then, or none in 120 s: chaos's lossy-link kind.) 40
     # steps after the recovery node 0 (rank 0 and the job's store) is cut off until node 1 has left: one
-    # side only trains on. Node 0, finding node 1 silent, gives rank 1 to its own spare; node 1 loses the
-    # store, kills its processes and exits 1, saying what became of the job. Its processes wrote nothing
-    # after the cut (rank 1's shards of each later save are the spare's), and the job ends with an
-    # uninterrupted job's weights.
+    # side only trains on. Node 0, finding node 1 silent, gives rank 1 to its own spare, which takes rank
+    # 1's shards and RNG from the replica rank 0 kept (the memory tier's, across nodes; no disk save yet)
+    # and its step from the step rank 0 restores, as for a node lost whole (lost by a kill, with etcd:
+    # test_etcd.py; under Slurm: `bash run.sh slurm`'s node0-lost). Node 1 loses the store, kills its
+    # processes and exits 1, saying what became of the job. Its processes wrote nothing after the cut
+    # (rank 1's shards of each later save are the spare's), and the job ends with an uninterrupted job's
+    # weights.
     script, flags = "fsdp/train.py", [*LONG, "--steps", 300, "--save-every", 100, "--hang-timeout-s", 5]
     reference = tmp_path / "reference"
     run = tmp_path / "run"
@@ -188,9 +159,15 @@ def test_a_stalled_link_is_a_false_alarm_and_a_cut_off_store_leaves_one_side_tra
     assert "(a false alarm: a slow link, a pause)" in output and "fenced" not in output + left, output[-5000:]
     assert "memory tier is off" not in output + left
     assert "supervisor: rank 1 (slot 1000) lost with node 1 (silent for 5 s)" in output
-    assert process_story(run, 0)[0] == [metrics(run, 0, "start")[0]["pid"]]  # rank 0: one process throughout
+    assert "ranks [1] had none (a replaced node): their records from the replicas, their shards from the ranks" \
+           " that kept them" in output, output[-5000:]
+    survivor, recovered = process_story(run, 0)
+    assert survivor == [metrics(run, 0, "start")[0]["pid"]]  # rank 0: one process throughout
     assert process_story(run, 1)[0] == [rank1, metrics(run, 1, "start")[-1]["pid"]]  # its process, then node 0's spare
     spare = metrics(run, 1, "start")[-1]  # the cut-off side's last word: rank 1's events from then on are the spare's
+    assert spare["launched_at"] < cut_at and metrics(run, 1, "load")[-1]["step"] == recovered[-1]["step"]
+    # A replica of the step in flight is sent during the next step: the job goes on from the step before it at worst.
+    assert recovered[-1]["step"] >= max(e["step"] for e in metrics(run, 0, "step") if e["time"] < cut_at) - 2
     stale = [e for e in metrics(run, 1) if cut_at + 1 < e["time"] < spare["time"]]
     assert not [e for e in stale if e["event"] in ("step", "save")], stale
     referenced()
