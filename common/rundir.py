@@ -7,6 +7,7 @@ import pwd
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from common.checkpoint import _NAME
@@ -14,6 +15,9 @@ from common.config import fail
 
 
 HELD_LOCKS = []  # the run folder's lock, open for the life of the process (hold_run_dir)
+# A node's preflight tests the lock, shared, for an instant (harness/launch.py's run_dir_in_use): rank 0, taking
+# it then (a joining node's preflight as rank 0 restarts), retries for this long before it refuses the folder.
+PREFLIGHT_S = 1.0
 
 
 def hold_run_dir(run_dir, rank):
@@ -26,15 +30,21 @@ def hold_run_dir(run_dir, rank):
         HELD_LOCKS.append(lock)
 
 
-def lock_run_dir(run_dir):
-    """The run folder's lock for this process's life, or None if held; the OS drops a dead process's lock."""
+def lock_run_dir(run_dir, patience_s=PREFLIGHT_S):
+    """The run folder's lock for this process's life, or None if held for `patience_s`; the OS drops a dead
+    process's lock."""
     # Never through a link: opened so, a .lock linked to another file would be truncated below.
     f = os.fdopen(os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                f.close()
+                return None
+            time.sleep(0.01)  # a preflight's test ends within the millisecond; a job's lock lasts the job
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, job {os.environ.get('TORCHELASTIC_RUN_ID', '-')}\n")
     f.flush()

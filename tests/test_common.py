@@ -1,5 +1,6 @@
 """Unit tests of the shared mechanics: atomic save, checkpoint lookup, keep-K, RNG, digest, data, CLI."""
 import dataclasses
+import fcntl
 import os
 import random
 import re
@@ -14,6 +15,7 @@ import torch
 
 from common.checkpoint import (atomic_save, atomic_write, checkpoints, load_newest, param_digest, prune, resume_problem,
                                rng_state, set_rng_state, step_name)
+from common import rundir
 from common.rundir import lock_run_dir
 from harness.launch import run_dir_in_use
 from common import model, monitor
@@ -143,6 +145,19 @@ def test_run_dir_lock_is_exclusive_and_released_with_its_holder(tmp_path):
     assert "pid" in run_dir_in_use(tmp_path)
     lock.close()  # what the OS does when the holder dies
     assert run_dir_in_use(tmp_path) is None and lock_run_dir(tmp_path) is not None
+
+
+def test_rank_0_waits_out_a_preflights_shared_test_of_the_lock_and_takes_it(tmp_path, monkeypatch):
+    # Another node's preflight (run_dir_in_use) holds the lock shared for an instant: rank 0, taking the lock
+    # then, must not refuse its own job. The shared holder lets go when rank 0 first waits.
+    (tmp_path / ".lock").touch()
+    preflight = open(tmp_path / ".lock")
+    fcntl.flock(preflight, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    waits = []
+    monkeypatch.setattr(rundir.time, "sleep", lambda seconds: (waits.append(seconds), preflight.close()))
+    lock = lock_run_dir(tmp_path)
+    assert lock is not None and len(waits) == 1
+    assert "pid" in run_dir_in_use(tmp_path)
 
 
 def test_resume_problem_names_what_changed_and_refuses_what_breaks_the_resume():
