@@ -459,6 +459,8 @@ class Supervisor:
         except RuntimeError:  # (DistNetworkError)
             if not self.signalled:
                 raise
+            if self.etcd:  # gone: leave() asks nothing either
+                self.store.deadline_s = 0
 
     def beat(self):
         """Say this node lives; raise StoreLost if node 0 is gone, and SystemExit if node 0 found this node

@@ -142,3 +142,18 @@ def test_etcds_leader_node_0_whole_then_node_1_cut_off_are_lost_and_the_job_ends
           f"training again after {recovered['time'] - lost_at:.2f} s; node 1 cut off: it left after "
           f"{left_at - cut_at:.1f} s")
 
+
+
+def test_a_signal_shortens_an_etcd_call_already_waiting(monkeypatch):
+    # A cancel under Slurm TERMs etcd's members with the job: a supervisor's call then in flight, for its
+    # 10 s deadline, held the node's exit 10 s (seen in `bash run.sh slurm`'s cancel-etcd check). The signal
+    # lowers the store's deadline (Supervisor.pass_on); a call in flight reads it on its next try.
+    import torch.distributed as dist
+    from harness.procs import free_port
+    from tiers import etcd
+    store = etcd.EtcdStore([("127.0.0.1", free_port()) for _ in range(3)], "/ft/test/")  # nobody listens there
+    tries = []
+    monkeypatch.setattr(etcd.time, "sleep", lambda seconds: (tries.append(seconds), setattr(store, "deadline_s", 0)))
+    with pytest.raises(dist.DistNetworkError, match="did not answer"):
+        store.set("end", "1")
+    assert tries == [etcd.POLL_S]  # one round of the three members, then the lowered deadline ended the call

@@ -60,9 +60,9 @@ class EtcdStore:
     # ------------------------------------------------------------------ one request, on whichever member answers
     def call(self, what):
         """what(client) on the first member that answers, starting with the last one that did; DistNetworkError
-        after deadline_s without an answer."""
-        deadline, error = time.monotonic() + self.deadline_s, None
-        while time.monotonic() < deadline:
+        after deadline_s without an answer (read on each try: a signal to the supervisor shortens a call in flight)."""
+        start, error = time.monotonic(), None
+        while time.monotonic() < start + self.deadline_s:
             for _ in range(len(self.clients)):
                 try:
                     return what(self.clients[self.member])
